@@ -1,0 +1,93 @@
+"""Strict parsing of nested dataclasses from JSON-like dicts.
+
+Unknown keys, wrong types and invalid choices raise ``ValueError`` naming the full key path
+and the valid choices, before anything is built.
+"""
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
+
+
+def parse_dataclass(cls: type, data: Any, path: str) -> Any:
+    """Build ``cls`` from ``data``; every key of ``data`` must be a field of ``cls``."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected an object, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"{path}: unknown key(s) {unknown}; valid keys are {sorted(fields)}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _parse_value(hints[name], value, f"{path}.{name}") for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def _parse_value(hint: Any, value: Any, path: str) -> Any:
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = get_args(hint)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise ValueError(f"{path}: must not be null")
+        non_none = [o for o in options if o is not type(None)]
+        assert len(non_none) == 1, f"unsupported union {hint}"
+        return _parse_value(non_none[0], value, path)
+    if origin is Literal:
+        choices = get_args(hint)
+        if value not in choices:
+            raise ValueError(f"{path}: invalid value {value!r}; valid choices are {list(choices)}")
+        return value
+    if origin in (list, tuple):
+        (item,) = get_args(hint)[:1]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{path}: expected a list, got {type(value).__name__}")
+        items = [_parse_value(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}: expected an object, got {type(value).__name__}")
+        return dict(value)
+    if dataclasses.is_dataclass(hint):
+        return parse_dataclass(hint, value, path)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{path}: expected a string, got {value!r}")
+        return value
+    if hint is Any:
+        return value
+    raise AssertionError(f"unsupported type {hint} at {path}")
+
+
+def check_choice(path: str, value: Any, choices: tuple) -> None:
+    """Raise a ValueError if ``value`` is not one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{path}: invalid value {value!r}; valid choices are {list(choices)}")
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass (nested) as plain JSON-serialisable data."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,59 @@
+"""Make Megatron-Core run on a machine without CUDA.
+
+Megatron-Core 0.16 hard-codes CUDA in three places that a CPU run reaches:
+1. ``torch.cuda.current_device()`` is the ``device=`` of about twenty allocations
+   (attention's global memory buffer, TP mappings, layers, GPTModel);
+2. its RNG tracker (forked by attention even with dropout 0) reads and writes the CUDA
+   generator through ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` and
+   ``torch.cuda.manual_seed``;
+3. ``get_default_causal_mask`` builds its mask on ``"cuda"`` when no mask is passed.
+
+Each is redirected to the CPU, only when CUDA is absent, so that a GPU run is untouched.
+No library offers this; the patch is kept to exactly these three points.
+"""
+
+import functools
+
+import torch
+
+_applied = False
+
+
+def apply_cpu_shims() -> bool:
+    """Apply the CPU shims once if CUDA is unavailable; return whether they are active."""
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer import utils as transformer_utils
+
+    # 1. Allocations that name the current CUDA device land on the CPU.
+    torch.cuda.current_device = lambda: "cpu"
+
+    # 2. The "CUDA" RNG tracker forks the CPU generator instead.
+    def get_rng_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def set_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mcore_random._get_cuda_rng_state = get_rng_state
+    mcore_random._set_cuda_rng_state = set_rng_state
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    torch.cuda.manual_seed = torch.manual_seed
+
+    # 3. The default causal mask is built on the CPU (cached: it depends only on the length).
+    @functools.lru_cache(maxsize=8)
+    def causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    transformer_utils.get_default_causal_mask = causal_mask
+    fused_softmax.get_default_causal_mask = causal_mask
+
+    _applied = True
+    return True

@@ -1,0 +1,67 @@
+"""Process groups: ``torch.distributed`` plus Megatron-Core's ``parallel_state``.
+
+NCCL on GPU, gloo on CPU. Megatron needs both initialised even for a single process.
+"""
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_multilevel.cpu_shims import apply_cpu_shims
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(
+    tensor_model_parallel_size: int = 1,
+    *,
+    seed: int = 1234,
+    init_method: Optional[str] = None,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+) -> None:
+    """Initialise ``torch.distributed`` (if needed) and Megatron's model-parallel groups.
+
+    Without arguments, rank and world size come from the launcher's environment
+    (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``); a single process without a launcher
+    gets a one-rank group.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    apply_cpu_shims()
+    if not dist.is_initialized():
+        if rank is None:
+            rank = int(os.environ.get("RANK", 0))
+        if world_size is None:
+            world_size = int(os.environ.get("WORLD_SIZE", 1))
+        if init_method is None and "MASTER_ADDR" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        dist.init_process_group(
+            backend=default_backend(), init_method=init_method, rank=rank, world_size=world_size
+        )
+    world_size = dist.get_world_size()
+    if world_size % tensor_model_parallel_size:
+        raise ValueError(
+            f"parallel.tensor_model_parallel_size = {tensor_model_parallel_size} does not divide "
+            f"the world size {world_size}"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
+def set_seed(seed: int) -> None:
+    """Seed the default generator and Megatron's model-parallel RNG tracker alike on every rank."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    torch.manual_seed(seed)

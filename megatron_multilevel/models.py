@@ -1,0 +1,137 @@
+"""Build Megatron-Core ``GPTModel`` / ``BertModel`` from a :class:`ModelConfig`, at any level.
+
+Needs ``torch.distributed`` and Megatron's ``parallel_state`` to be initialised (see
+``megatron_multilevel.distributed``); the tensor-parallel size is read from there.
+"""
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from megatron_multilevel.config import ModelConfig
+from megatron_multilevel.cpu_shims import apply_cpu_shims
+
+
+def transformer_engine_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def use_transformer_engine(cfg: ModelConfig) -> bool:
+    """Whether ``cfg`` resolves to the Transformer Engine layer spec."""
+    if cfg.transformer_impl == "local":
+        return False
+    if cfg.transformer_impl == "transformer_engine":
+        if not transformer_engine_available():
+            raise ValueError(
+                "model.transformer_impl = 'transformer_engine' needs CUDA and transformer_engine; "
+                "valid choices here are ['auto', 'local']"
+            )
+        return True
+    return transformer_engine_available()
+
+
+def transformer_config(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32):
+    """Megatron's ``TransformerConfig`` for ``cfg`` on the current parallel layout."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        normalization=cfg.normalization,
+        gated_linear_unit=cfg.gated,
+        activation_func=F.silu if cfg.gated else F.gelu,
+        add_bias_linear=cfg.add_bias_linear,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        layernorm_epsilon=cfg.layernorm_epsilon,
+        init_method_std=cfg.init_method_std,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # Every rank builds the full master weight and slices it: a TP run starts from exactly the
+        # weights of a TP=1 run with the same seed. Off on GPU, where it would be slow at scale.
+        use_cpu_initialization=not on_gpu,
+        # Fusions need CUDA (or trigger torch.compile on CPU); DeepSpeed owns gradient accumulation.
+        bias_activation_fusion=on_gpu and not cfg.gated and cfg.add_bias_linear,
+        masked_softmax_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def build_model(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A Megatron-Core GPT or BERT model (pre- and post-process on this rank, no pipeline)."""
+    apply_cpu_shims()
+    config = transformer_config(cfg, params_dtype=params_dtype)
+    te = use_transformer_engine(cfg)
+    if cfg.kind == "gpt":
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_local_spec,
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        spec = (
+            get_gpt_layer_with_transformer_engine_spec()
+            if te
+            else get_gpt_layer_local_spec(normalization=cfg.normalization)
+        )
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=cfg.vocab_size,
+            max_sequence_length=cfg.max_sequence_length,
+            share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
+            position_embedding_type=cfg.position_embedding_type,
+            rotary_base=cfg.rotary_base,
+        )
+    from megatron.core.models.bert.bert_layer_specs import (
+        bert_layer_local_spec,
+        get_bert_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.models.bert.bert_model import BertModel
+
+    spec = get_bert_layer_with_transformer_engine_spec() if te else bert_layer_local_spec
+    return BertModel(
+        config=config,
+        num_tokentypes=cfg.num_tokentypes,
+        transformer_layer_spec=spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_sequence_length,
+        share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
+        position_embedding_type=cfg.position_embedding_type,
+        add_binary_head=cfg.add_binary_head,
+    )
+
+
+def load_parameters(model: torch.nn.Module, state_dict: dict) -> None:
+    """Load a parameter state dict (as the operators return it) into ``model``, strictly.
+
+    ``_extra_state`` entries (layer metadata, not parameters) keep the model's own values.
+    """
+    from megatron_multilevel.plan import is_metadata
+
+    result = model.load_state_dict(state_dict, strict=False)
+    missing = [k for k in result.missing_keys if not is_metadata(k)]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"state dict does not fit the model: missing {missing[:8]}, "
+            f"unexpected {result.unexpected_keys[:8]}"
+        )
+
+
+def parameter_state_dict(model: torch.nn.Module) -> dict:
+    """The model's parameters by name, detached (no ``_extra_state``)."""
+    from megatron_multilevel.plan import is_metadata
+
+    return {k: v.detach() for k, v in model.state_dict().items() if not is_metadata(k)}

@@ -1,0 +1,221 @@
+"""Coalescing, de-coalescing and interpolation on full (unsharded) tensors.
+
+Pure maths: no ``torch.distributed`` here. Tensor-parallel and ZeRO adapters gather before and
+reshard after (``megatron_multilevel.parallel``).
+
+With ``F`` the averaging and ``C`` the copy matrix of a grouping (``level_maps.Grouping``), a
+linear weight ``W`` (``out x in``) is coalesced as ``F_out W C_in`` (average partners on the output
+side, sum them on the input side) and de-coalesced as ``C_out W F_in`` (copy on the output side,
+split evenly on the input side). Both are done with index selects, never with dense matrices,
+and ``coalesce(decoalesce(x)) == x`` holds bit for bit: ``(a + a) / 2 == a`` and
+``a / 2 + a / 2 == a`` in binary floating point.
+
+Depth: a coarse layer is the average of the (width-coalesced) layers of its group; de-coalescing
+copies it into each of them.
+"""
+
+from collections import defaultdict
+from typing import Mapping, Sequence
+
+import torch
+
+from megatron_multilevel.config import check_alpha
+from megatron_multilevel.level_maps import LevelMap
+from megatron_multilevel.plan import (
+    ParamRule,
+    is_metadata,
+    layer_param_names,
+    layer_prefix,
+    parameter_plan,
+)
+
+StateDict = dict[str, torch.Tensor]
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+def _check_size(name: str, t: torch.Tensor, dim: int, expected: int, kind: str) -> None:
+    if t.shape[dim] != expected:
+        raise ValueError(
+            f"parameter {name!r} has size {t.shape[dim]} on dim {dim} ({kind}); "
+            f"the level map expects {expected}: the level map does not match the model"
+        )
+
+
+def coalesce_tensor(name: str, t: torch.Tensor, rule: ParamRule, level_map: LevelMap) -> torch.Tensor:
+    """Width-coalesce one tensor (``F_out W C_in``); a no-op where width is not coalesced."""
+    out = t.to(_compute_dtype(t), copy=True)
+    if level_map.width:
+        for dim, d in enumerate(rule.dims):
+            if d.side is None:
+                continue
+            g = level_map.unit_groupings[d.kind]
+            _check_size(name, out, dim, g.num_fine, d.kind)
+            first, second = g.partners
+            out = out.index_select(dim, first) + out.index_select(dim, second)
+            if d.side == "out":
+                out = out * 0.5
+        if rule.tied_output_norm:
+            out = out * 2.0
+    return out.to(t.dtype)
+
+
+def decoalesce_tensor(name: str, t: torch.Tensor, rule: ParamRule, level_map: LevelMap) -> torch.Tensor:
+    """Width-de-coalesce one tensor (``C_out W F_in``); a no-op where width is not coalesced."""
+    out = t.to(_compute_dtype(t), copy=True)
+    if level_map.width:
+        for dim, d in enumerate(rule.dims):
+            if d.side is None:
+                continue
+            g = level_map.unit_groupings[d.kind]
+            _check_size(name, out, dim, g.num_coarse, d.kind)
+            out = out.index_select(dim, g.index)
+            if d.side == "in":
+                out = out * 0.5
+        if rule.tied_output_norm:
+            out = out * 0.5
+    return out.to(t.dtype)
+
+
+def _residual_scale(level_map: LevelMap, rule: ParamRule) -> float:
+    return 2.0 if level_map.depth and level_map.depth_scaling == "ode" and rule.residual else 1.0
+
+
+def coalesce_layers(fine_layers: Sequence[Mapping[str, torch.Tensor]], level_map: LevelMap) -> StateDict:
+    """One coarse layer from the fine layers of its depth group (names local to the layer).
+
+    ``fine_layers`` holds two layers when depth is coalesced, else one.
+    """
+    assert len(fine_layers) == (2 if level_map.depth else 1)
+    rules = parameter_plan(level_map.fine).layer
+    names = list(fine_layers[0])
+    for other in fine_layers[1:]:
+        if set(other) != set(names):
+            raise ValueError(f"layers of one depth group differ in parameters: {sorted(set(other) ^ set(names))}")
+    out = {}
+    for name in names:
+        if is_metadata(name):
+            continue
+        if name not in rules:
+            raise ValueError(
+                f"layer parameter {name!r} is not in the multilevel plan; known: {sorted(rules)}"
+            )
+        rule = rules[name]
+        parts = [coalesce_tensor(name, layer[name], rule, level_map) for layer in fine_layers]
+        if len(parts) == 1:
+            out[name] = parts[0]
+            continue
+        dtype = parts[0].dtype
+        mean = (parts[0].to(_compute_dtype(parts[0])) + parts[1].to(_compute_dtype(parts[1]))) * 0.5
+        out[name] = (mean * _residual_scale(level_map, rule)).to(dtype)
+    return out
+
+
+def decoalesce_layer(coarse_layer: Mapping[str, torch.Tensor], level_map: LevelMap) -> StateDict:
+    """The fine layer de-coalesced from one coarse layer; every fine layer of the group copies it."""
+    rules = parameter_plan(level_map.fine).layer
+    out = {}
+    for name, t in coarse_layer.items():
+        if is_metadata(name):
+            continue
+        if name not in rules:
+            raise ValueError(
+                f"layer parameter {name!r} is not in the multilevel plan; known: {sorted(rules)}"
+            )
+        rule = rules[name]
+        fine = decoalesce_tensor(name, t, rule, level_map)
+        scale = _residual_scale(level_map, rule)
+        out[name] = fine if scale == 1.0 else (fine.to(_compute_dtype(fine)) / scale).to(fine.dtype)
+    return out
+
+
+def _split_layers(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap, num_layers: int, role: str):
+    """``(non-layer params, [{local name: tensor} per layer])``; unknown or missing names raise."""
+    cfg = level_map.fine
+    plan = parameter_plan(cfg)
+    model, layers = {}, defaultdict(dict)
+    for name, t in state_dict.items():
+        if is_metadata(name):
+            continue
+        layer, _ = plan.rule(name)
+        if layer is None:
+            model[name] = t
+        else:
+            layers[layer][name.split(".", 3)[3]] = t
+    if sorted(layers) != list(range(num_layers)):
+        raise ValueError(
+            f"the {role} state dict has layers {sorted(layers)}, the level map expects "
+            f"{num_layers}: the level map does not match the model"
+        )
+    missing = sorted(set(plan.model) - set(model))
+    specs = (layer_param_names(cfg, te=False), layer_param_names(cfg, te=True))
+    for i, layer in layers.items():
+        if set(layer) not in specs:
+            missing += [f"layers.{i}.{n}" for n in sorted(specs[0] - set(layer))]
+    if missing:
+        raise ValueError(f"the {role} state dict lacks parameters of the model: {missing[:8]}")
+    return model, [layers[i] for i in range(num_layers)]
+
+
+def coalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap) -> StateDict:
+    """The coarse model's parameters from the fine model's full state dict."""
+    fine_layers = level_map.fine.num_layers
+    model, layers = _split_layers(state_dict, level_map, fine_layers, "fine")
+    plan = parameter_plan(level_map.fine)
+    out = {name: coalesce_tensor(name, t, plan.model[name], level_map) for name, t in model.items()}
+    groups = (
+        [level_map.layers.partners[0].tolist(), level_map.layers.partners[1].tolist()]
+        if level_map.depth
+        else [list(range(fine_layers))]
+    )
+    for k, members in enumerate(zip(*groups)):
+        coarse = coalesce_layers([layers[i] for i in members], level_map)
+        prefix = layer_prefix(level_map.coarse, k)
+        out.update({prefix + name: t for name, t in coarse.items()})
+    return out
+
+
+def decoalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap) -> StateDict:
+    """The fine model's parameters de-coalesced from the coarse model's full state dict."""
+    coarse_layers = level_map.coarse.num_layers
+    model, layers = _split_layers(state_dict, level_map, coarse_layers, "coarse")
+    plan = parameter_plan(level_map.fine)
+    out = {name: decoalesce_tensor(name, t, plan.model[name], level_map) for name, t in model.items()}
+    fine_layers = [decoalesce_layer(layer, level_map) for layer in layers]
+    for j in range(level_map.fine.num_layers):
+        k = level_map.layers.assignment[j] if level_map.depth else j
+        prefix = layer_prefix(level_map.fine, j)
+        # Copies, so that the fine layers of a group are independent tensors.
+        out.update({prefix + name: t.clone() for name, t in fine_layers[k].items()})
+    return out
+
+
+def interpolate(
+    fine_before: Mapping[str, torch.Tensor], decoalesced: Mapping[str, torch.Tensor], alpha: float
+) -> StateDict:
+    """``(1 - alpha) * fine_before + alpha * decoalesced``, parameter by parameter.
+
+    ``fine_before`` is the fine model as it was just before coalescing (alpha 0 returns it,
+    alpha 1 returns the de-coalesced model: the direction of the paper's Figure 5).
+    """
+    check_alpha(alpha)
+    names = [n for n in fine_before if not is_metadata(n)]
+    other = [n for n in decoalesced if not is_metadata(n)]
+    if set(names) != set(other):
+        raise ValueError(
+            f"interpolate: the two models differ in parameters: {sorted(set(names) ^ set(other))[:8]}"
+        )
+    out = {}
+    for name in names:
+        a, b = fine_before[name], decoalesced[name]
+        if a.shape != b.shape:
+            raise ValueError(f"interpolate: {name!r} has shapes {tuple(a.shape)} and {tuple(b.shape)}")
+        out[name] = interpolate_tensor(a, b, alpha)
+    return out
+
+
+def interpolate_tensor(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    dtype = _compute_dtype(a)
+    return ((1.0 - alpha) * a.to(dtype) + alpha * b.to(dtype)).to(a.dtype)
