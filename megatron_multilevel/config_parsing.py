@@ -49,7 +49,7 @@ def _parse_value(hint: Any, value: Any, path: str) -> Any:
             raise ValueError(f"{path}: expected a list, got {type(value).__name__}")
         items = [_parse_value(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
-    if origin is dict:
+    if origin is dict or hint is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{path}: expected an object, got {type(value).__name__}")
         return dict(value)

@@ -237,10 +237,12 @@ class LevelMap:
             raise ValueError(f"level map: unsupported format {data['format']!r}")
         from megatron_multilevel.config_parsing import parse_dataclass
 
-        groupings = {
-            name: None if data[name] is None else Grouping(tuple(data[name]))
-            for name in ("hidden", "query_groups", "ffn", "layers")
-        }
+        groupings = {}
+        for name in ("hidden", "query_groups", "ffn", "layers"):
+            try:
+                groupings[name] = None if data[name] is None else Grouping(tuple(data[name]))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"level map {name!r}: {e}") from None
         level_map = cls(
             fine=parse_dataclass(ModelConfig, data["fine"], "level_map.fine"),
             depth_scaling=data["depth_scaling"],

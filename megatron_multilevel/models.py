@@ -135,3 +135,15 @@ def parameter_state_dict(model: torch.nn.Module) -> dict:
     from megatron_multilevel.plan import is_metadata
 
     return {k: v.detach() for k, v in model.state_dict().items() if not is_metadata(k)}
+
+
+def model_logits(model: torch.nn.Module, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits ``[b, s, vocab / tp]`` of ``tokens`` ``[b, s]`` (no padding; BERT segment 0)."""
+    b, s = tokens.shape
+    if cfg.kind == "gpt":
+        position_ids = torch.arange(s, device=tokens.device).expand(b, s)
+        return model(tokens, position_ids, None)
+    attention_mask = torch.ones(b, s, device=tokens.device)
+    tokentype_ids = torch.zeros_like(tokens) if cfg.num_tokentypes else None
+    logits, _ = model(tokens, attention_mask, tokentype_ids)
+    return logits

@@ -1,0 +1,108 @@
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_multilevel.config import (
+    DEEPSPEED_KEYS,
+    ModelConfig,
+    MultilevelConfig,
+    ParallelConfig,
+    RunConfig,
+    config_to_dict,
+    load_config,
+)
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.json"))
+
+# The accepted keys, frozen: adding or renaming one is a deliberate change to this list.
+ACCEPTED = {
+    RunConfig: ["model", "multilevel", "parallel"],
+    ModelConfig: [
+        "activation", "add_bias_linear", "add_binary_head", "attention_dropout", "ffn_hidden_size",
+        "hidden_dropout", "hidden_size", "init_method_std", "kind", "kv_channels",
+        "layernorm_epsilon", "max_sequence_length", "normalization", "num_attention_heads",
+        "num_layers", "num_query_groups", "num_tokentypes", "position_embedding_type",
+        "rotary_base", "share_embeddings_and_output_weights", "transformer_impl", "vocab_size",
+    ],
+    MultilevelConfig: [
+        "alpha", "coalesce_depth", "coalesce_width", "depth_pairing", "depth_scaling", "enabled",
+        "num_levels", "width_pairing",
+    ],
+    ParallelConfig: ["tensor_model_parallel_size"],
+}
+
+
+@pytest.mark.parametrize("cls", ACCEPTED, ids=lambda c: c.__name__)
+def test_accepted_keys_are_frozen(cls):
+    names = sorted(f.name for f in dataclasses.fields(cls) if f.name != "deepspeed")
+    assert names == sorted(ACCEPTED[cls])
+
+
+def test_every_field_has_a_docstring():
+    import ast
+    import inspect
+
+    import megatron_multilevel.config as module
+
+    tree = ast.parse(inspect.getsource(module))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in {c.__name__ for c in ACCEPTED}:
+            body = node.body
+            for i, stmt in enumerate(body):
+                if isinstance(stmt, ast.AnnAssign):
+                    nxt = body[i + 1] if i + 1 < len(body) else None
+                    assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), (
+                        f"{node.name}.{stmt.target.id} has no docstring"
+                    )
+
+
+def test_deepspeed_keys_pass_through():
+    cfg = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2}, "model": {"num_layers": 2}})
+    assert cfg.deepspeed == {"train_batch_size": 8, "zero_optimization": {"stage": 2}}
+    assert cfg.model.num_layers == 2
+    again = load_config(config_to_dict(cfg))
+    assert again == cfg
+
+
+def test_unknown_top_level_key_lists_valid_keys():
+    with pytest.raises(ValueError, match=r"unknown top-level key\(s\) \['zero_optimisation'\].*'multilevel'.*zero_optimization"):
+        load_config({"zero_optimisation": {"stage": 1}})
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"model": {"hidden": 4}}, r"config.model: unknown key\(s\) \['hidden'\]; valid keys are \[.*'hidden_size'"),
+        ({"model": {"kind": "t5"}}, r"config.model.kind: invalid value 't5'; valid choices are \['gpt', 'bert'\]"),
+        ({"model": {"num_layers": "4"}}, r"config.model.num_layers: expected an integer"),
+        ({"model": {"num_layers": 0}}, r"model.num_layers must be a positive integer"),
+        ({"model": {"hidden_size": 100, "num_attention_heads": 3}}, r"not divisible by model.num_attention_heads"),
+        ({"model": {"num_query_groups": 3}}, r"num_attention_heads \(4\) must be a multiple of model.num_query_groups"),
+        ({"model": {"hidden_dropout": 1.0}}, r"model.hidden_dropout must be in \[0, 1\)"),
+        ({"model": {"add_binary_head": True}}, r"BERT-only"),
+        ({"multilevel": {"alpha": 1.2}}, r"multilevel.alpha must be in \[0, 1\]"),
+        ({"multilevel": {"num_levels": 1}}, r"multilevel.num_levels must be >= 2"),
+        ({"multilevel": {"width_pairing": "random"}}, r"valid choices are \['halves', 'adjacent'\]"),
+        ({"multilevel": {"coalesce_width": False, "coalesce_depth": False}}, r"cannot both be false"),
+        ({"parallel": {"tensor_model_parallel_size": 3}}, r"tensor_model_parallel_size = 3 does not divide model.num_attention_heads"),
+        ({"model": []}, r"config.model: expected an object"),
+    ],
+)
+def test_bad_values(data, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(data)
+
+
+def test_top_level_must_be_an_object(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text("[1]")
+    with pytest.raises(ValueError, match="top level must be a JSON object"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_parse(path):
+    cfg = load_config(path)
+    assert json.loads(path.read_text())["model"]["kind"] == cfg.model.kind
