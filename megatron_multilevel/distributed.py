@@ -30,14 +30,16 @@ def init_distributed(
     (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``); a single process without a launcher
     gets a one-rank group.
     """
-    from megatron.core import parallel_state, tensor_parallel
-
     apply_cpu_shims()
     if not dist.is_initialized():
         if rank is None:
             rank = int(os.environ.get("RANK", 0))
         if world_size is None:
             world_size = int(os.environ.get("WORLD_SIZE", 1))
+        # DeepSpeed reads these even when the process group already exists.
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("WORLD_SIZE", str(world_size))
+        os.environ.setdefault("LOCAL_RANK", str(rank))
         if init_method is None and "MASTER_ADDR" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
@@ -46,6 +48,14 @@ def init_distributed(
         dist.init_process_group(
             backend=default_backend(), init_method=init_method, rank=rank, world_size=world_size
         )
+    set_tensor_model_parallel_size(tensor_model_parallel_size, seed=seed)
+
+
+def set_tensor_model_parallel_size(tensor_model_parallel_size: int, *, seed: int = 1234) -> None:
+    """(Re)build Megatron's parallel groups for a tensor-parallel size; data parallelism takes the
+    remaining ranks. Groups of an earlier layout stay usable by whoever captured them."""
+    from megatron.core import parallel_state
+
     world_size = dist.get_world_size()
     if world_size % tensor_model_parallel_size:
         raise ValueError(
@@ -55,8 +65,7 @@ def init_distributed(
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    torch.manual_seed(seed)
+    set_seed(seed)
 
 
 def set_seed(seed: int) -> None:

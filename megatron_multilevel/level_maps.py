@@ -211,6 +211,35 @@ class LevelMap:
             "ffn_glu": self.ffn.expand(1, stacks=2),
         }
 
+    def shard(self, rank: int, tensor_model_parallel_size: int) -> Optional["LevelMap"]:
+        """This map restricted to tensor-parallel shard ``rank``, or None if partners cross shards.
+
+        The restricted map acts on one rank's shards (heads, query groups, FFN and vocab split
+        ``tp`` ways, hidden whole) exactly as this map acts on the full tensors.
+        """
+        tp = tensor_model_parallel_size
+        if tp == 1:
+            return self
+        cfg = self.fine
+        local_cfg = dataclasses.replace(
+            cfg,
+            num_attention_heads=cfg.num_attention_heads // tp,
+            num_query_groups=cfg.num_query_groups // tp,
+            ffn_hidden_size=cfg.ffn_hidden_size // tp,
+            vocab_size=cfg.vocab_size // tp,
+        )
+        if not self.width:
+            return dataclasses.replace(self, fine=local_cfg)
+        local = {}
+        for name in ("query_groups", "ffn"):
+            assignment = getattr(self, name).assignment
+            n = len(assignment) // tp
+            part = [i - rank * (n // 2) for i in assignment[rank * n : (rank + 1) * n]]
+            if any(not 0 <= i < n // 2 for i in part):
+                return None
+            local[name] = Grouping(tuple(part))
+        return dataclasses.replace(self, fine=local_cfg, **local)
+
     def to_json(self) -> str:
         data = {
             "format": FORMAT_VERSION,

@@ -147,3 +147,29 @@ def model_logits(model: torch.nn.Module, cfg: ModelConfig, tokens: torch.Tensor)
     tokentype_ids = torch.zeros_like(tokens) if cfg.num_tokentypes else None
     logits, _ = model(tokens, attention_mask, tokentype_ids)
     return logits
+
+
+def language_model_loss(
+    model: torch.nn.Module,
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    padding_mask: "torch.Tensor | None" = None,
+    tokentype_ids: "torch.Tensor | None" = None,
+) -> torch.Tensor:
+    """Mean cross-entropy over the positions of ``loss_mask`` (next token for GPT, masked tokens
+    for BERT), computed by Megatron's vocab-parallel cross-entropy (correct at any TP size)."""
+    b, s = tokens.shape
+    if cfg.kind == "gpt":
+        position_ids = torch.arange(s, device=tokens.device).expand(b, s)
+        losses = model(tokens, position_ids, None, labels=labels)
+    else:
+        if padding_mask is None:
+            padding_mask = torch.ones(b, s, device=tokens.device)
+        if tokentype_ids is None and cfg.num_tokentypes:
+            tokentype_ids = torch.zeros_like(tokens)
+        losses, _ = model(tokens, padding_mask, tokentype_ids, lm_labels=labels)
+    mask = loss_mask.float()
+    return (losses.float() * mask).sum() / mask.sum().clamp(min=1.0)

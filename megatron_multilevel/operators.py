@@ -98,11 +98,7 @@ def coalesce_layers(fine_layers: Sequence[Mapping[str, torch.Tensor]], level_map
     for name in names:
         if is_metadata(name):
             continue
-        if name not in rules:
-            raise ValueError(
-                f"layer parameter {name!r} is not in the multilevel plan; known: {sorted(rules)}"
-            )
-        rule = rules[name]
+        rule = _lookup(rules, name)
         parts = [coalesce_tensor(name, layer[name], rule, level_map) for layer in fine_layers]
         if len(parts) == 1:
             out[name] = parts[0]
@@ -120,15 +116,42 @@ def decoalesce_layer(coarse_layer: Mapping[str, torch.Tensor], level_map: LevelM
     for name, t in coarse_layer.items():
         if is_metadata(name):
             continue
-        if name not in rules:
-            raise ValueError(
-                f"layer parameter {name!r} is not in the multilevel plan; known: {sorted(rules)}"
-            )
-        rule = rules[name]
+        rule = _lookup(rules, name)
         fine = decoalesce_tensor(name, t, rule, level_map)
         scale = _residual_scale(level_map, rule)
         out[name] = fine if scale == 1.0 else (fine.to(_compute_dtype(fine)) / scale).to(fine.dtype)
     return out
+
+
+def depth_groups(level_map: LevelMap) -> list[tuple[int, ...]]:
+    """The fine layers of each coarse layer, in coarse layer order."""
+    if not level_map.depth:
+        return [(i,) for i in range(level_map.fine.num_layers)]
+    first, second = level_map.layers.partners
+    return list(zip(first.tolist(), second.tolist()))
+
+
+def coarse_layer_of(level_map: LevelMap, fine_layer: int) -> int:
+    """The coarse layer that fine layer ``fine_layer`` is de-coalesced from."""
+    return level_map.layers.assignment[fine_layer] if level_map.depth else fine_layer
+
+
+def coalesce_model_params(params: Mapping[str, torch.Tensor], level_map: LevelMap) -> StateDict:
+    """Coalesce the parameters outside the transformer layers (embeddings, norms, heads)."""
+    rules = parameter_plan(level_map.fine).model
+    return {name: coalesce_tensor(name, t, _lookup(rules, name), level_map) for name, t in params.items()}
+
+
+def decoalesce_model_params(params: Mapping[str, torch.Tensor], level_map: LevelMap) -> StateDict:
+    """De-coalesce the parameters outside the transformer layers."""
+    rules = parameter_plan(level_map.fine).model
+    return {name: decoalesce_tensor(name, t, _lookup(rules, name), level_map) for name, t in params.items()}
+
+
+def _lookup(rules: dict, name: str) -> ParamRule:
+    if name not in rules:
+        raise ValueError(f"parameter {name!r} is not in the multilevel plan; known: {sorted(rules)}")
+    return rules[name]
 
 
 def _split_layers(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap, num_layers: int, role: str):
@@ -163,14 +186,8 @@ def coalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap) -> Sta
     """The coarse model's parameters from the fine model's full state dict."""
     fine_layers = level_map.fine.num_layers
     model, layers = _split_layers(state_dict, level_map, fine_layers, "fine")
-    plan = parameter_plan(level_map.fine)
-    out = {name: coalesce_tensor(name, t, plan.model[name], level_map) for name, t in model.items()}
-    groups = (
-        [level_map.layers.partners[0].tolist(), level_map.layers.partners[1].tolist()]
-        if level_map.depth
-        else [list(range(fine_layers))]
-    )
-    for k, members in enumerate(zip(*groups)):
+    out = coalesce_model_params(model, level_map)
+    for k, members in enumerate(depth_groups(level_map)):
         coarse = coalesce_layers([layers[i] for i in members], level_map)
         prefix = layer_prefix(level_map.coarse, k)
         out.update({prefix + name: t for name, t in coarse.items()})
@@ -181,11 +198,10 @@ def decoalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap) -> S
     """The fine model's parameters de-coalesced from the coarse model's full state dict."""
     coarse_layers = level_map.coarse.num_layers
     model, layers = _split_layers(state_dict, level_map, coarse_layers, "coarse")
-    plan = parameter_plan(level_map.fine)
-    out = {name: decoalesce_tensor(name, t, plan.model[name], level_map) for name, t in model.items()}
+    out = decoalesce_model_params(model, level_map)
     fine_layers = [decoalesce_layer(layer, level_map) for layer in layers]
     for j in range(level_map.fine.num_layers):
-        k = level_map.layers.assignment[j] if level_map.depth else j
+        k = coarse_layer_of(level_map, j)
         prefix = layer_prefix(level_map.fine, j)
         # Copies, so that the fine layers of a group are independent tensors.
         out.update({prefix + name: t.clone() for name, t in fine_layers[k].items()})

@@ -1,0 +1,1 @@
+"""Distribution around the pure operators: tensor-parallel layouts, ZeRO, transitions."""

@@ -1,0 +1,275 @@
+"""Read and write a level's parameters (or Adam moments) one layer at a time, in any layout.
+
+A *reader* returns, per layer, the full tensors (general path: gathered over tensor-parallel
+ranks and, under ZeRO-3, over data-parallel ranks) or this rank's tensor-parallel shards (fast
+path). A *writer* takes the same and stores this rank's part: into a Megatron model (its TP shard;
+under ZeRO-3 through ``GatheredParameters``), into DeepSpeed's optimizer state, or into a
+:class:`Snapshot` (flat partitions spread over a process group, kept in memory, on the CPU or on
+disk). No rank ever holds more than its own shards plus the layer being moved.
+
+All methods are collective: every rank of the groups involved calls them in the same order.
+"""
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_multilevel.config import ModelConfig
+from megatron_multilevel.parallel.tp_layout import partition_dim, shard, unshard
+from megatron_multilevel.plan import layer_prefix, parameter_plan
+
+StateKey = Optional[Literal["exp_avg", "exp_avg_sq"]]
+Storage = Literal["memory", "cpu", "disk"]
+STORAGES = ("memory", "cpu", "disk")
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The tensor-parallel group of this rank in one layout, captured so that it outlives a
+    later change of Megatron's ``parallel_state``."""
+
+    tp_group: object
+    tp_rank: int
+    tp_size: int
+
+    @classmethod
+    def current(cls) -> "Groups":
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            ps.get_tensor_model_parallel_group(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+        )
+
+
+def _split_names(names, cfg: ModelConfig) -> tuple[list[str], list[list[str]]]:
+    """Parameter names outside the layers, and per layer (full names), in a fixed order."""
+    plan = parameter_plan(cfg)
+    model, layers = [], [[] for _ in range(cfg.num_layers)]
+    for name in names:
+        layer, _ = plan.rule(name)
+        (model if layer is None else layers[layer]).append(name)
+    return model, layers
+
+
+def _inner_torch_optimizer(optimizer):
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def materialize_adam_state(optimizer) -> None:
+    """Create Adam's state (zero moments, step 0) for every parameter that has none yet.
+
+    Torch's Adam, and DeepSpeed's ZeRO optimizers around it, create their state lazily at the
+    first step; moments can only be written into a state that exists.
+    """
+    inner = _inner_torch_optimizer(optimizer)
+    params = [p for group in inner.param_groups for p in group["params"]]
+    # ZeRO-3 hands its flat fp32 partitions to the torch optimizer only during a step.
+    params += list(getattr(optimizer, "fp32_partitioned_groups_flat", []))
+    for p in params:
+        state = inner.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if inner.defaults.get("amsgrad") else ()):
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    # ZeRO-1/2 and the bf16 optimizer link each parameter to its slice of the flat state lazily.
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
+def _is_zero3(p) -> bool:
+    return hasattr(p, "ds_id")
+
+
+class ModelReader:
+    """Reads a live Megatron model (plain or inside a DeepSpeed engine), layer by layer.
+
+    ``state_key`` selects an Adam moment instead of the parameters; ``local`` returns this rank's
+    tensor-parallel shards instead of full tensors.
+    """
+
+    def __init__(self, module, cfg: ModelConfig, groups: Groups, *, local: bool = False,
+                 optimizer=None, state_key: StateKey = None):
+        self.params = dict(module.named_parameters())
+        self.cfg, self.groups, self.local = cfg, groups, local
+        self.optimizer, self.state_key = optimizer, state_key
+        self.plan = parameter_plan(cfg)
+        self.model_names, self.layer_names = _split_names(self.params, cfg)
+
+    def read_model(self) -> dict[str, torch.Tensor]:
+        return {name: self._read(name) for name in self.model_names}
+
+    def read_layer(self, layer: int) -> dict[str, torch.Tensor]:
+        prefix = layer_prefix(self.cfg, layer)
+        return {name[len(prefix):]: self._read(name) for name in self.layer_names[layer]}
+
+    def _read(self, name: str) -> torch.Tensor:
+        value = self._local_value(self.params[name])
+        _, rule = self.plan.rule(name)
+        g = self.groups
+        if self.local or g.tp_size == 1 or partition_dim(rule) is None:
+            return value
+        shards = [torch.empty_like(value) for _ in range(g.tp_size)]
+        dist.all_gather(shards, value.contiguous(), group=g.tp_group)
+        return unshard(shards, rule)
+
+    def _local_value(self, p) -> torch.Tensor:
+        """This rank's tensor-parallel shard, whole over data-parallel ranks, in fp32 where the
+        optimizer keeps fp32 masters."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        if self.state_key is not None:
+            if _is_zero3(p) or hasattr(p, "_hp_mapping"):
+                return safe_get_full_optimizer_state(p, self.state_key)
+            state = _inner_torch_optimizer(self.optimizer).state.get(p, {})
+            value = state.get(self.state_key)
+            return torch.zeros_like(p, dtype=torch.float32) if value is None else value.detach().float()
+        if _is_zero3(p):
+            if getattr(p, "_z3_optimizer", None) is not None:
+                return safe_get_full_fp32_param(p)
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p]):
+                return p.data.detach().clone()
+        if p.dtype != torch.float32 and hasattr(p, "_hp_mapping"):
+            return safe_get_full_fp32_param(p)  # the fp32 master, not the bf16 copy
+        return p.detach()
+
+
+class ModelWriter:
+    """Writes full tensors (or, with ``local``, this rank's shards) into a Megatron model built in
+    the target layout, before ``deepspeed.initialize`` (so that the optimizer starts from them);
+    with ``state_key``, into the Adam moments of an initialised engine instead."""
+
+    def __init__(self, module, cfg: ModelConfig, groups: Groups, *, local: bool = False,
+                 optimizer=None, state_key: StateKey = None):
+        self.params = dict(module.named_parameters())
+        self.cfg, self.groups, self.local = cfg, groups, local
+        self.optimizer, self.state_key = optimizer, state_key
+        self.plan = parameter_plan(cfg)
+
+    def write_model(self, values: dict[str, torch.Tensor]) -> None:
+        self._write(values)
+
+    def write_layer(self, layer: int, values: dict[str, torch.Tensor]) -> None:
+        prefix = layer_prefix(self.cfg, layer)
+        self._write({prefix + name: t for name, t in values.items()})
+
+    def _target(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        if self.local:
+            return full
+        _, rule = self.plan.rule(name)
+        return shard(full, rule, self.groups.tp_rank, self.groups.tp_size)
+
+    def _write(self, values: dict[str, torch.Tensor]) -> None:
+        unknown = sorted(set(values) - set(self.params))
+        assert not unknown, f"the target model has no parameters {unknown}"
+        params = [(self.params[n], self._target(n, t)) for n, t in values.items()]
+        for (p, v), name in zip(params, values):
+            expected = tuple(p.ds_shape) if _is_zero3(p) else tuple(p.shape)
+            assert tuple(v.shape) == expected, (name, tuple(v.shape), expected)
+        if self.state_key is not None:
+            self._write_state(params)
+            return
+        for p, _ in params:
+            assert not hasattr(p, "_hp_mapping") and getattr(p, "_z3_optimizer", None) is None, (
+                "parameters are written before deepspeed.initialize, so the optimizer starts from them"
+            )
+        with torch.no_grad():
+            if any(_is_zero3(p) for p, _ in params):
+                import deepspeed
+
+                # Every rank computed the same values; data-parallel rank 0's are broadcast.
+                with deepspeed.zero.GatheredParameters([p for p, _ in params], modifier_rank=0):
+                    for p, v in params:
+                        p.data.copy_(v)
+            else:
+                for p, v in params:
+                    p.data.copy_(v)
+
+    def _write_state(self, params) -> None:
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        torch_optimizer = _inner_torch_optimizer(self.optimizer)
+        for p, v in params:
+            if _is_zero3(p) or hasattr(p, "_hp_mapping"):
+                safe_set_full_optimizer_state(p, v.float(), self.state_key)
+            else:
+                torch_optimizer.state[p][self.state_key].copy_(v)
+
+
+class Snapshot:
+    """A level's tensors kept for later (the fine model before coalescing, staged moments),
+    each stored as flat equal partitions over the ranks of ``group``.
+
+    With ``group`` the world and full tensors, the snapshot no longer depends on the layout it
+    came from; with the data-parallel group and local shards, it serves the fast path.
+    """
+
+    def __init__(self, group=None, *, storage: Storage = "memory", directory: Optional[str] = None):
+        if storage not in STORAGES:
+            raise ValueError(f"invalid snapshot storage {storage!r}; valid choices are {list(STORAGES)}")
+        if storage == "disk" and not directory:
+            raise ValueError("a snapshot stored on disk needs a directory")
+        self.group, self.storage, self.directory = group, storage, directory
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._parts: dict[str, dict[str, torch.Tensor]] = {}
+        self._shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+
+    def write_model(self, values: dict[str, torch.Tensor]) -> None:
+        self._put("model", values)
+
+    def write_layer(self, layer: int, values: dict[str, torch.Tensor]) -> None:
+        self._put(f"layer{layer}", values)
+
+    def read_model(self) -> dict[str, torch.Tensor]:
+        return self._get("model")
+
+    def read_layer(self, layer: int) -> dict[str, torch.Tensor]:
+        return self._get(f"layer{layer}")
+
+    def _put(self, key: str, values: dict[str, torch.Tensor]) -> None:
+        parts = {}
+        for name, t in values.items():
+            flat = t.detach().reshape(-1)
+            chunk = math.ceil(flat.numel() / self.size)
+            part = flat[self.rank * chunk : (self.rank + 1) * chunk]
+            part = torch.nn.functional.pad(part, (0, chunk - part.numel())).clone()
+            parts[name] = part if self.storage == "memory" else part.cpu()
+        self._shapes[key] = {name: (t.shape, t.dtype) for name, t in values.items()}
+        if self.storage == "disk":
+            os.makedirs(self.directory, exist_ok=True)
+            path = self._path(key)
+            torch.save(parts, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        else:
+            self._parts[key] = parts
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, f"{key}.rank{self.rank}.pt")
+
+    def _get(self, key: str) -> dict[str, torch.Tensor]:
+        parts = torch.load(self._path(key)) if self.storage == "disk" else self._parts[key]
+        out = {}
+        for name, (shape, dtype) in self._shapes[key].items():
+            part = parts[name]
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else part.device
+            part = part.to(device)
+            if self.size > 1:
+                gathered = [torch.empty_like(part) for _ in range(self.size)]
+                dist.all_gather(gathered, part, group=self.group)
+                part = torch.cat(gathered)
+            out[name] = part[: math.prod(shape)].view(shape).to(dtype)
+        return out
+
+    def local_bytes(self) -> int:
+        """Bytes this rank holds in memory (zero for a snapshot on disk)."""
+        return sum(t.numel() * t.element_size() for p in self._parts.values() for t in p.values())

@@ -1,0 +1,268 @@
+"""Transitions between the levels of a V-cycle on live, distributed models.
+
+``coarsen`` takes the fine level's model (plain, or the module of a DeepSpeed engine at any ZeRO
+stage and tensor-parallel size) and builds the coarse level's model in the coarse layout with
+coalesced parameters; it keeps the fine model as it was (for interpolation) in a
+:class:`~megatron_multilevel.parallel.streams.Snapshot`. ``prolong`` de-coalesces the coarse model,
+interpolates with that snapshot and builds the fine level's model again. Both return a model
+ready for ``deepspeed.initialize``; optionally mapped Adam moments are staged and loaded into the
+new engine with :func:`load_moments`.
+
+Fast path: same tensor-parallel size at both levels, groupings local to each shard, no ZeRO-3:
+every rank maps its own shards and nothing is communicated. Otherwise parameters are gathered,
+projected and resharded one layer at a time.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_multilevel.config import ModelConfig, check_alpha, check_model_parallel
+from megatron_multilevel.level_maps import LevelMap
+from megatron_multilevel.operators import (
+    coalesce_layers,
+    coalesce_model_params,
+    coarse_layer_of,
+    decoalesce_layer,
+    decoalesce_model_params,
+    depth_groups,
+    interpolate,
+)
+from megatron_multilevel.parallel.streams import Groups, ModelReader, ModelWriter, Snapshot, Storage
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one level is laid out over the ranks (data parallelism takes the rest)."""
+
+    tensor_model_parallel_size: int = 1
+    zero_stage: int = 0
+
+    def check(self, cfg: ModelConfig, world_size: int, what: str) -> None:
+        """Raise ``ValueError`` if a model of ``cfg`` cannot be laid out this way."""
+        tp = self.tensor_model_parallel_size
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"{what}: invalid ZeRO stage {self.zero_stage}; valid choices are {list(ZERO_STAGES)}")
+        if tp < 1 or world_size % tp:
+            raise ValueError(
+                f"{what}: tensor_model_parallel_size = {tp} does not divide the world size {world_size}"
+            )
+        try:
+            check_model_parallel(cfg, tp)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+
+
+def uses_fast_path(level_map: LevelMap, fine: Layout, coarse: Layout) -> bool:
+    """Whether each rank can map its own shards with no communication."""
+    tp = fine.tensor_model_parallel_size
+    return (
+        tp == coarse.tensor_model_parallel_size
+        and fine.zero_stage < 3
+        and coarse.zero_stage < 3
+        and all(level_map.shard(r, tp) is not None for r in range(tp))
+    )
+
+
+@dataclass
+class FineSnapshot:
+    """The fine model as it was just before coalescing (and its moments, if they are mapped)."""
+
+    params: Snapshot
+    moments: dict[str, Snapshot] = field(default_factory=dict)
+    step: int = 0
+
+
+@dataclass
+class Staged:
+    """A level's model with its parameters in place, and moments to load after initialize."""
+
+    model: torch.nn.Module
+    cfg: ModelConfig
+    local: bool
+    moments: dict[str, Snapshot] = field(default_factory=dict)
+    step: int = 0
+
+
+def _build_target(cfg: ModelConfig, layout: Layout, ds_config: Optional[dict]) -> torch.nn.Module:
+    from megatron_multilevel.distributed import set_tensor_model_parallel_size
+    from megatron_multilevel.models import build_model
+
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() != layout.tensor_model_parallel_size:
+        set_tensor_model_parallel_size(layout.tensor_model_parallel_size)
+    if layout.zero_stage < 3:
+        return build_model(cfg)
+    import deepspeed
+
+    from megatron_multilevel.parallel.mpu import mpu
+
+    # Parameters are partitioned as they are created: no rank ever holds the whole model.
+    config = dict(ds_config or {})
+    config.setdefault("zero_optimization", {})["stage"] = 3
+    config.setdefault("train_micro_batch_size_per_gpu", 1)
+    with deepspeed.zero.Init(
+        data_parallel_group=parallel_state.get_data_parallel_group(), config_dict_or_path=config, mpu=mpu
+    ):
+        return build_model(cfg)
+
+
+def _adam_step(optimizer) -> int:
+    from megatron_multilevel.parallel.streams import _inner_torch_optimizer
+
+    if optimizer is None:
+        return 0
+    steps = [int(s["step"]) for s in _inner_torch_optimizer(optimizer).state.values() if "step" in s]
+    return max(steps, default=0)
+
+
+def _check_layouts(level_map: LevelMap, fine: Layout, coarse: Layout) -> None:
+    world = dist.get_world_size()
+    fine.check(level_map.fine, world, "fine level layout")
+    coarse.check(level_map.coarse, world, "coarse level layout")
+
+
+def coarsen(
+    fine_module: torch.nn.Module,
+    level_map: LevelMap,
+    *,
+    fine_layout: Layout,
+    coarse_layout: Layout,
+    ds_config: Optional[dict] = None,
+    optimizer=None,
+    map_moments: bool = False,
+    keep: Storage = "memory",
+    keep_dir: Optional[str] = None,
+) -> tuple[Staged, FineSnapshot]:
+    """Build the coarse level from the fine one; keep the fine one for interpolation.
+
+    ``fine_module`` runs in ``fine_layout`` (the current parallel_state); the coarse model is
+    built in ``coarse_layout``. ``keep`` says where the fine snapshot lives: "memory" (on the
+    device), "cpu" or "disk" (under ``keep_dir``). With ``map_moments``, ``optimizer`` is the fine
+    engine's optimizer and the coalesced Adam moments are staged for :func:`load_moments`.
+    """
+    _check_layouts(level_map, fine_layout, coarse_layout)
+    fast = uses_fast_path(level_map, fine_layout, coarse_layout)
+    fine_groups = Groups.current()
+    op_map = level_map.shard(fine_groups.tp_rank, fine_groups.tp_size) if fast else level_map
+    group = _snapshot_group(fast)
+
+    def snapshot(kind: str) -> Snapshot:
+        directory = None if keep_dir is None else f"{keep_dir}/{kind}"
+        return Snapshot(group, storage=keep, directory=directory)
+
+    readers = {None: ModelReader(fine_module, level_map.fine, fine_groups, local=fast)}
+    if map_moments:
+        readers.update(
+            {k: ModelReader(fine_module, level_map.fine, fine_groups, local=fast, optimizer=optimizer, state_key=k)
+             for k in MOMENTS}
+        )
+    before = FineSnapshot(snapshot("params"), step=_adam_step(optimizer) if map_moments else 0)
+    coarse_model = _build_target(level_map.coarse, coarse_layout, ds_config)
+    writer = ModelWriter(coarse_model, level_map.coarse, Groups.current(), local=fast)
+    _coarsen_stream(readers[None], writer, op_map, tee=before.params)
+    staged = Staged(coarse_model, level_map.coarse, fast, step=before.step)
+    for key in MOMENTS if map_moments else ():
+        before.moments[key] = snapshot(key)
+        staged.moments[key] = Snapshot(group)
+        _coarsen_stream(readers[key], staged.moments[key], op_map, tee=before.moments[key])
+    return staged, before
+
+
+def prolong(
+    coarse_module: torch.nn.Module,
+    before: FineSnapshot,
+    level_map: LevelMap,
+    alpha: float,
+    *,
+    coarse_layout: Layout,
+    fine_layout: Layout,
+    ds_config: Optional[dict] = None,
+    optimizer=None,
+    map_moments: bool = False,
+) -> Staged:
+    """Build the fine level again: de-coalesce the coarse model and interpolate with ``before``.
+
+    The result is ``(1 - alpha) * before + alpha * decoalesce(coarse)`` in ``fine_layout``.
+    """
+    check_alpha(alpha)
+    _check_layouts(level_map, fine_layout, coarse_layout)
+    if map_moments and not before.moments:
+        raise ValueError("prolong: map_moments needs the fine moments, kept only if coarsen mapped them")
+    fast = uses_fast_path(level_map, fine_layout, coarse_layout)
+    coarse_groups = Groups.current()
+    op_map = level_map.shard(coarse_groups.tp_rank, coarse_groups.tp_size) if fast else level_map
+    reader = ModelReader(coarse_module, level_map.coarse, coarse_groups, local=fast)
+    moment_readers = {
+        k: ModelReader(coarse_module, level_map.coarse, coarse_groups, local=fast, optimizer=optimizer, state_key=k)
+        for k in (MOMENTS if map_moments else ())
+    }
+    step = _adam_step(optimizer) if map_moments else 0
+    fine_model = _build_target(level_map.fine, fine_layout, ds_config)
+    writer = ModelWriter(fine_model, level_map.fine, Groups.current(), local=fast)
+    _prolong_stream(reader, before.params, writer, op_map, alpha)
+    staged = Staged(fine_model, level_map.fine, fast, step=step)
+    for key, moment_reader in moment_readers.items():
+        staged.moments[key] = Snapshot(_snapshot_group(fast))
+        _prolong_stream(moment_reader, before.moments[key], staged.moments[key], op_map, alpha)
+    return staged
+
+
+def load_moments(engine, staged: Staged) -> None:
+    """Load staged Adam moments into a freshly initialised DeepSpeed engine (ZeRO 0-3)."""
+    if not staged.moments:
+        return
+    from megatron_multilevel.parallel.streams import _inner_torch_optimizer, materialize_adam_state
+
+    materialize_adam_state(engine.optimizer)
+    for key, snapshot in staged.moments.items():
+        writer = ModelWriter(
+            engine.module, staged.cfg, Groups.current(), local=staged.local,
+            optimizer=engine.optimizer, state_key=key,
+        )
+        writer.write_model(snapshot.read_model())
+        for i in range(staged.cfg.num_layers):
+            writer.write_layer(i, snapshot.read_layer(i))
+    # Adam's bias correction continues from the step count the moments were built over.
+    for state in _inner_torch_optimizer(engine.optimizer).state.values():
+        state["step"] = torch.tensor(float(staged.step))
+
+
+def _snapshot_group(fast: bool):
+    from megatron.core import parallel_state
+
+    # Fast path: local shards, partitioned over the ranks that hold the same shard.
+    return parallel_state.get_data_parallel_group() if fast else None
+
+
+def _coarsen_stream(reader, writer, level_map: LevelMap, *, tee=None) -> None:
+    model = reader.read_model()
+    if tee is not None:
+        tee.write_model(model)
+    writer.write_model(coalesce_model_params(model, level_map))
+    for k, members in enumerate(depth_groups(level_map)):
+        fine_layers = []
+        for i in members:
+            fine_layers.append(reader.read_layer(i))
+            if tee is not None:
+                tee.write_layer(i, fine_layers[-1])
+        writer.write_layer(k, coalesce_layers(fine_layers, level_map))
+
+
+def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, alpha: float) -> None:
+    decoalesced = decoalesce_model_params(coarse_reader.read_model(), level_map)
+    writer.write_model(interpolate(before_reader.read_model(), decoalesced, alpha))
+    cached = (None, None)
+    # Fine layers in order of their coarse layer, so that each coarse layer is read once.
+    order = sorted(range(level_map.fine.num_layers), key=lambda j: (coarse_layer_of(level_map, j), j))
+    for j in order:
+        k = coarse_layer_of(level_map, j)
+        if cached[0] != k:
+            cached = (k, decoalesce_layer(coarse_reader.read_layer(k), level_map))
+        writer.write_layer(j, interpolate(before_reader.read_layer(j), cached[1], alpha))

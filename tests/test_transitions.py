@@ -1,0 +1,274 @@
+"""Distributed transitions on several gloo ranks, each layout compared with one process.
+
+For every layout (TP, ZeRO stage, DP) the worker trains the fine model one step, coarsens it,
+trains the coarse model one step, prolongs it back and trains one more step. At each point it
+gathers the parameters (and the Adam moments) with an independent reference gather and checks
+them against the single-process operators applied to the gathered tensors. The losses of every
+layout are then compared with the one-process run.
+"""
+
+import pytest
+import torch
+
+from distributed_helpers import run_ranks
+
+GLOBAL_BATCH = 4
+SEQ = 16
+ALPHA = 0.25
+
+
+def _model_config(variant):
+    from megatron_multilevel.config import ModelConfig
+
+    kw = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=96, max_sequence_length=SEQ)
+    if variant == "llama":
+        kw.update(position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
+                  add_bias_linear=False, num_attention_heads=8, num_query_groups=4,
+                  share_embeddings_and_output_weights=False)
+    return ModelConfig(**kw)
+
+
+def _ds_config(stage, dp):
+    return {
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
+        "gradient_accumulation_steps": 1,
+        # A large eps: the first Adam steps must not amplify float noise in near-zero gradients
+        # into lr-sized differences between layouts.
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
+
+
+def _engine(model, stage):
+    import deepspeed
+    from megatron.core import parallel_state as ps
+
+    from megatron_multilevel.parallel.mpu import mpu
+
+    config = _ds_config(stage, ps.get_data_parallel_world_size())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
+    return engine
+
+
+def _train_step(engine, cfg, seed):
+    """One step on a fixed global batch, this rank taking its data-parallel slice; returns the
+    global mean loss."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_multilevel.models import language_model_loss
+
+    data = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = data.chunk(dp)[dp_rank]
+    tokens, labels = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+    loss = language_model_loss(engine, cfg, tokens, labels, torch.ones_like(tokens))
+    engine.backward(loss)
+    engine.step()
+    value = loss.detach().clone()
+    dist.all_reduce(value, group=ps.get_data_parallel_group())
+    return value.item() / dp
+
+
+def _reference_gather(engine, cfg, key=None):
+    """Full tensors of every parameter (or Adam moment), gathered without the code under test."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_optimizer_state
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    opt = engine.optimizer
+    while hasattr(opt, "optimizer"):
+        opt = opt.optimizer
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if key is not None:
+            value = safe_get_full_optimizer_state(p, key)
+            if value is None:
+                value = opt.state[p][key]
+        elif hasattr(p, "ds_id"):
+            with deepspeed.zero.GatheredParameters([p]):
+                value = p.data.clone()
+        else:
+            value = p.data.clone()
+        value = value.float()
+        if getattr(p, "tensor_model_parallel", False) and tp > 1:
+            dim = p.partition_dim
+            shards = [torch.empty_like(value) for _ in range(tp)]
+            dist.all_gather(shards, value.contiguous(), group=ps.get_tensor_model_parallel_group())
+            if name.endswith("linear_fc1.weight") and cfg.gated:
+                halves = [s.chunk(2, dim=0) for s in shards]
+                value = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+            else:
+                value = torch.cat(shards, dim=dim)
+        out[name] = value
+    return out
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+class _CountCollectives:
+    """Counts the collectives called inside the block (to check the fast path sends nothing)."""
+
+    NAMES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce_scatter_tensor")
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.saved = {n: getattr(dist, n) for n in self.NAMES}
+
+        def wrap(fn):
+            def counted(*args, **kwargs):
+                self.count += 1
+                return fn(*args, **kwargs)
+            return counted
+
+        for n, fn in self.saved.items():
+            setattr(dist, n, wrap(fn))
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for n, fn in self.saved.items():
+            setattr(dist, n, fn)
+
+
+def _case(case):
+    """One layout case; returns losses and the max deviations from the full-tensor operators."""
+    from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
+    from megatron_multilevel.level_maps import make_level_map
+    from megatron_multilevel.models import build_model
+    from megatron_multilevel.operators import coalesce, decoalesce, interpolate
+    from megatron_multilevel.parallel.transition import Layout, coarsen, load_moments, prolong
+
+    cfg = _model_config(case["variant"])
+    fine_layout = Layout(case["fine_tp"], case["fine_stage"])
+    coarse_layout = Layout(case["coarse_tp"], case["coarse_stage"])
+    # The same groupings in every case (shard-local for TP=2), so that all cases train the same model.
+    lm = make_level_map(cfg, tensor_model_parallel_size=2)
+    set_tensor_model_parallel_size(fine_layout.tensor_model_parallel_size)
+    set_seed(7)
+    fine = _engine(build_model(cfg), fine_layout.zero_stage)
+    out = {"losses": [_train_step(fine, cfg, seed=1)]}
+    fine_full = _reference_gather(fine, cfg)
+    fine_moments = {k: _reference_gather(fine, cfg, k) for k in ("exp_avg", "exp_avg_sq")}
+
+    with _CountCollectives() as counter:
+        staged, before = coarsen(
+            fine.module, lm, fine_layout=fine_layout, coarse_layout=coarse_layout,
+            ds_config=_ds_config(coarse_layout.zero_stage, 1), optimizer=fine.optimizer,
+            map_moments=case["map_moments"], keep=case["keep"], keep_dir=case.get("keep_dir"),
+        )
+    del fine
+    coarse = _engine(staged.model, coarse_layout.zero_stage)
+    load_moments(coarse, staged)
+    diffs = {"coalesce": _max_diff(_reference_gather(coarse, lm.coarse), coalesce(fine_full, lm))}
+    if case["map_moments"]:
+        for k, moments in fine_moments.items():
+            diffs[f"coalesce_{k}"] = _max_diff(_reference_gather(coarse, lm.coarse, k), coalesce(moments, lm))
+    out["losses"].append(_train_step(coarse, lm.coarse, seed=2))
+    coarse_full = _reference_gather(coarse, lm.coarse)
+    coarse_moments = {k: _reference_gather(coarse, lm.coarse, k) for k in ("exp_avg", "exp_avg_sq")}
+
+    with counter:
+        staged = prolong(
+            coarse.module, before, lm, ALPHA, coarse_layout=coarse_layout, fine_layout=fine_layout,
+            ds_config=_ds_config(fine_layout.zero_stage, 1), optimizer=coarse.optimizer,
+            map_moments=case["map_moments"],
+        )
+    out["collectives"] = counter.count
+    del coarse
+    fine = _engine(staged.model, fine_layout.zero_stage)
+    load_moments(fine, staged)
+    expected = interpolate(fine_full, decoalesce(coarse_full, lm), ALPHA)
+    diffs["prolong"] = _max_diff(_reference_gather(fine, cfg), expected)
+    if case["map_moments"]:
+        for k in coarse_moments:
+            expected = interpolate(fine_moments[k], decoalesce(coarse_moments[k], lm), ALPHA)
+            diffs[f"prolong_{k}"] = _max_diff(_reference_gather(fine, cfg, k), expected)
+    out["losses"].append(_train_step(fine, cfg, seed=3))
+    out["diffs"] = diffs
+    return out
+
+
+def _worker(rank, world, cases):
+    return [_case(case) for case in cases]
+
+
+def _cases(variant, layouts, map_moments=True, keep="memory", keep_dir=None):
+    return [
+        dict(variant=variant, fine_tp=a, fine_stage=b, coarse_tp=c, coarse_stage=d,
+             map_moments=map_moments, keep=keep, keep_dir=keep_dir)
+        for a, b, c, d in layouts
+    ]
+
+
+# (fine TP, fine ZeRO stage, coarse TP, coarse ZeRO stage)
+TWO_RANKS = [
+    (2, 0, 2, 0),  # fast path, no communication
+    (1, 1, 1, 1),  # DP=2, ZeRO-1
+    (1, 2, 1, 2),  # DP=2, ZeRO-2
+    (1, 3, 1, 3),  # DP=2, ZeRO-3, layer streaming
+    (2, 3, 2, 3),  # TP=2 with ZeRO-3 (over a DP of 1)
+    (2, 1, 1, 1),  # TP 2 -> 1 (and back on prolong)
+    (1, 2, 2, 0),  # TP 1 -> 2, ZeRO stage changing too
+]
+FOUR_RANKS = [
+    (2, 1, 2, 1),  # TP=2 x DP=2, fast path under ZeRO-1
+    (2, 3, 2, 3),  # TP=2 x DP=2, ZeRO-3
+    (2, 2, 1, 3),  # TP=2 x DP=2 -> DP=4 ZeRO-3
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The one-process run of every variant: the losses every layout must reproduce."""
+    cases = [c for mm in (True, False) for v in ("gpt", "llama") for c in _cases(v, [(1, 0, 1, 0)], mm)]
+    (results,) = run_ranks(_worker, 1, tmp_path_factory.mktemp("ref"), cases)
+    return {(c["variant"], c["map_moments"]): r for c, r in zip(cases, results)}
+
+
+def _check(results, cases, reference):
+    for per_rank in zip(*results):
+        # every rank agrees
+        for r in per_rank[1:]:
+            assert r["losses"] == pytest.approx(per_rank[0]["losses"], abs=1e-6)
+    for case, result in zip(cases, results[0]):
+        for name, diff in result["diffs"].items():
+            assert diff < 1e-6, (case, name, diff)
+        ref = reference[case["variant"], case["map_moments"]]
+        assert result["losses"] == pytest.approx(ref["losses"], abs=2e-5), (case, result["losses"], ref["losses"])
+
+
+def test_reference_itself_is_exact(reference):
+    for result in reference.values():
+        for name, diff in result["diffs"].items():
+            assert diff < 1e-6, (name, diff)
+        assert all(0 < loss < 10 for loss in result["losses"])
+
+
+def test_two_ranks(reference, tmp_path):
+    cases = _cases("gpt", TWO_RANKS) + _cases("llama", [(2, 0, 2, 0), (1, 3, 1, 3), (2, 1, 1, 2)])
+    cases += _cases("gpt", [(1, 3, 1, 3)], map_moments=False, keep="disk", keep_dir=str(tmp_path / "keep"))
+    cases += _cases("gpt", [(2, 0, 2, 0)], map_moments=False, keep="cpu")
+    results = run_ranks(_worker, 2, tmp_path, cases)
+    _check(results, cases, reference)
+    # The fast path (TP=2 at both levels, shard-local groupings, no ZeRO-3) communicates nothing.
+    assert results[0][-1]["collectives"] == 0
+    assert results[0][3]["collectives"] > 0  # ZeRO-3 gathers
+    assert list((tmp_path / "keep" / "params").glob("layer*.rank1.pt"))
+
+
+def test_four_ranks(reference, tmp_path):
+    cases = _cases("gpt", FOUR_RANKS) + _cases("llama", [(2, 1, 2, 1)])
+    results = run_ranks(_worker, 4, tmp_path, cases)
+    _check(results, cases, reference)
