@@ -103,6 +103,16 @@ class Grouping:
                 second[i] = j
         return torch.tensor(first, dtype=torch.long), torch.tensor(second, dtype=torch.long)
 
+    @cached_property
+    def structure(self) -> str:
+        """``halves`` (``j`` with ``j + n/2``), ``adjacent`` (``2i`` with ``2i+1``) or ``general``:
+        the first two are done with views instead of index gathers."""
+        if self == Grouping.halves(self.num_fine):
+            return "halves"
+        if self == Grouping.adjacent(self.num_fine):
+            return "adjacent"
+        return "general"
+
     def expand(self, block: int, *, stacks: int = 1) -> "Grouping":
         """The grouping of the ``block`` consecutive units of each unit (e.g. a head's channels),
         repeated over ``stacks`` stacked copies of the whole dimension (SwiGLU's gate and up)."""

@@ -31,7 +31,9 @@ def use_transformer_engine(cfg: ModelConfig) -> bool:
     return transformer_engine_available()
 
 
-def transformer_config(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32):
+def transformer_config(
+    cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32, perform_initialization: bool = True
+):
     """Megatron's ``TransformerConfig`` for ``cfg`` on the current parallel layout."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -54,6 +56,7 @@ def transformer_config(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.fl
         init_method_std=cfg.init_method_std,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         params_dtype=params_dtype,
+        perform_initialization=perform_initialization,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         # Every rank builds the full master weight and slices it: a TP run starts from exactly the
@@ -69,10 +72,37 @@ def transformer_config(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.fl
     )
 
 
-def build_model(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A Megatron-Core GPT or BERT model (pre- and post-process on this rank, no pipeline)."""
+def build_model(
+    cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32, perform_initialization: bool = True
+) -> torch.nn.Module:
+    """A Megatron-Core GPT or BERT model (pre- and post-process on this rank, no pipeline).
+
+    ``perform_initialization=False`` skips the random init, for a model whose parameters are
+    all about to be overwritten (a level built by a transition)."""
+    model = _build(cfg, params_dtype, perform_initialization)
+    if not perform_initialization:
+        _set_tensor_parallel_attributes(model, cfg)
+    return model
+
+
+def _set_tensor_parallel_attributes(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    """Megatron marks tensor-parallel parameters (``tensor_model_parallel``, ``partition_dim``)
+    only while initialising them; without initialisation, mark them from the plan."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    from megatron_multilevel.parallel.tp_layout import partition_dim
+    from megatron_multilevel.plan import parameter_plan
+
+    plan = parameter_plan(cfg)
+    for name, p in model.named_parameters():
+        dim = partition_dim(plan.rule(name)[1])
+        if dim is not None and not hasattr(p, "partition_dim"):
+            set_tensor_model_parallel_attributes(p, is_parallel=True, dim=dim, stride=1)
+
+
+def _build(cfg: ModelConfig, params_dtype: torch.dtype, perform_initialization: bool) -> torch.nn.Module:
     apply_cpu_shims()
-    config = transformer_config(cfg, params_dtype=params_dtype)
+    config = transformer_config(cfg, params_dtype=params_dtype, perform_initialization=perform_initialization)
     te = use_transformer_engine(cfg)
     if cfg.kind == "gpt":
         from megatron.core.models.gpt import GPTModel

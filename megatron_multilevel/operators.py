@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 import torch
 
 from megatron_multilevel.config import check_alpha
-from megatron_multilevel.level_maps import LevelMap
+from megatron_multilevel.level_maps import Grouping, LevelMap
 from megatron_multilevel.plan import (
     ParamRule,
     is_metadata,
@@ -44,39 +44,59 @@ def _check_size(name: str, t: torch.Tensor, dim: int, expected: int, kind: str) 
         )
 
 
+def _sum_partners(t: torch.Tensor, dim: int, g: Grouping) -> torch.Tensor:
+    """``out[i] = t[first(i)] + t[second(i)]`` along ``dim`` (a new tensor)."""
+    n = g.num_coarse
+    if g.structure == "halves":
+        return torch.add(t.narrow(dim, 0, n), t.narrow(dim, n, n))
+    if g.structure == "adjacent":
+        pairs = t.unflatten(dim, (n, 2))  # (..., n, 2, ...)
+        return torch.add(pairs.select(dim + 1, 0), pairs.select(dim + 1, 1))
+    first, second = g.partners
+    return t.index_select(dim, first).add_(t.index_select(dim, second))
+
+
+def _copy_partners(t: torch.Tensor, dim: int, g: Grouping) -> torch.Tensor:
+    """``out[j] = t[pi(j)]`` along ``dim`` (a new tensor)."""
+    if g.structure == "halves":
+        return torch.cat([t, t], dim=dim)
+    if g.structure == "adjacent":
+        return t.unsqueeze(dim + 1).expand(*t.shape[: dim + 1], 2, *t.shape[dim + 1 :]).flatten(dim, dim + 1)
+    return t.index_select(dim, g.index)
+
+
 def coalesce_tensor(name: str, t: torch.Tensor, rule: ParamRule, level_map: LevelMap) -> torch.Tensor:
-    """Width-coalesce one tensor (``F_out W C_in``); a no-op where width is not coalesced."""
-    out = t.to(_compute_dtype(t), copy=True)
+    """Width-coalesce one tensor (``F_out W C_in``); a copy where width is not coalesced."""
+    out = t.to(_compute_dtype(t))
     if level_map.width:
         for dim, d in enumerate(rule.dims):
             if d.side is None:
                 continue
             g = level_map.unit_groupings[d.kind]
             _check_size(name, out, dim, g.num_fine, d.kind)
-            first, second = g.partners
-            out = out.index_select(dim, first) + out.index_select(dim, second)
+            out = _sum_partners(out, dim, g)
             if d.side == "out":
-                out = out * 0.5
+                out.mul_(0.5)
         if rule.tied_output_norm:
             out = out * 2.0
-    return out.to(t.dtype)
+    return out.to(t.dtype) if out is not t else t.clone()
 
 
 def decoalesce_tensor(name: str, t: torch.Tensor, rule: ParamRule, level_map: LevelMap) -> torch.Tensor:
-    """Width-de-coalesce one tensor (``C_out W F_in``); a no-op where width is not coalesced."""
-    out = t.to(_compute_dtype(t), copy=True)
+    """Width-de-coalesce one tensor (``C_out W F_in``); a copy where width is not coalesced."""
+    out = t.to(_compute_dtype(t))
     if level_map.width:
         for dim, d in enumerate(rule.dims):
             if d.side is None:
                 continue
             g = level_map.unit_groupings[d.kind]
             _check_size(name, out, dim, g.num_coarse, d.kind)
-            out = out.index_select(dim, g.index)
-            if d.side == "in":
+            if d.side == "in":  # split evenly: halve before copying (half the work, same bits)
                 out = out * 0.5
+            out = _copy_partners(out, dim, g)
         if rule.tied_output_norm:
             out = out * 0.5
-    return out.to(t.dtype)
+    return out.to(t.dtype) if out is not t else t.clone()
 
 
 def _residual_scale(level_map: LevelMap, rule: ParamRule) -> float:
@@ -233,5 +253,7 @@ def interpolate(
 
 
 def interpolate_tensor(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``(1 - alpha) * a + alpha * b`` in one pass; exactly ``a`` at 0 and exactly ``b`` at 1
+    (``torch.lerp`` computes from the nearer endpoint)."""
     dtype = _compute_dtype(a)
-    return ((1.0 - alpha) * a.to(dtype) + alpha * b.to(dtype)).to(a.dtype)
+    return torch.lerp(a.to(dtype), b.to(dtype), alpha).to(a.dtype)

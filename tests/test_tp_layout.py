@@ -89,3 +89,12 @@ def test_single_process_transition_matches_operators(keep, tmp_path):
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     with pytest.raises(ValueError, match="map_moments needs the fine moments"):
         prolong(staged.model, before, lm, 0.5, coarse_layout=Layout(), fine_layout=Layout(), map_moments=True)
+
+
+def test_uninitialised_models_carry_tensor_parallel_attributes():
+    cfg = small_config("gpt_llama")
+    ref = {n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", None))
+           for n, p in build_model(cfg).named_parameters()}
+    got = {n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", None))
+           for n, p in build_model(cfg, perform_initialization=False).named_parameters()}
+    assert got == ref

@@ -13,7 +13,7 @@ All methods are collective: every rank of the groups involved calls them in the 
 import math
 import os
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,30 @@ def materialize_adam_state(optimizer) -> None:
         optimizer._lazy_init_hp_params_optimizer_state()
 
 
+def _write_zero3_partition(p, value: torch.Tensor) -> None:
+    """Write this rank's ZeRO-3 partition of ``value`` into ``p.ds_tensor``.
+
+    Every rank holds the same full value, so each keeps its own flat slice, as ZeRO-3's own
+    partitioning does (``GatheredParameters(modifier_rank=...)`` would gather and broadcast the
+    whole parameter only to end with the same slices).
+    """
+    assert getattr(p, "ds_secondary_tensor", None) is None, "hierarchical partitioning is not supported"
+    part = p.ds_tensor
+    size = part.numel()
+    start = size * dist.get_rank(group=p.ds_process_group)
+    flat = value.reshape(-1)
+    count = max(0, min(size, flat.numel() - start))
+    assert size * dist.get_world_size(group=p.ds_process_group) >= flat.numel() == p.ds_numel
+    part.data.zero_()
+    if count:
+        part.data[:count].copy_(flat[start : start + count])
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """A contiguous tensor that is not a view of another one."""
+    return t._base is None and t.is_contiguous()
+
+
 def _is_zero3(p) -> bool:
     return hasattr(p, "ds_id")
 
@@ -101,14 +125,19 @@ class ModelReader:
         self.cfg, self.groups, self.local = cfg, groups, local
         self.optimizer, self.state_key = optimizer, state_key
         self.plan = parameter_plan(cfg)
-        self.model_names, self.layer_names = _split_names(self.params, cfg)
+        self.model_names, layer_names = _split_names(self.params, cfg)
+        prefix = layer_prefix(cfg, 0)
+        self.layer_names = [n[len(prefix):] for n in layer_names[0]]
+        assert all(
+            [n[len(layer_prefix(cfg, i)):] for n in names] == self.layer_names for i, names in enumerate(layer_names)
+        ), "every layer has the same parameters"
 
-    def read_model(self) -> dict[str, torch.Tensor]:
-        return {name: self._read(name) for name in self.model_names}
+    def read_model(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        return {name: self._read(name) for name in names}
 
-    def read_layer(self, layer: int) -> dict[str, torch.Tensor]:
+    def read_layer(self, layer: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
         prefix = layer_prefix(self.cfg, layer)
-        return {name[len(prefix):]: self._read(name) for name in self.layer_names[layer]}
+        return {name: self._read(prefix + name) for name in names}
 
     def _read(self, name: str) -> torch.Tensor:
         value = self._local_value(self.params[name])
@@ -183,15 +212,12 @@ class ModelWriter:
                 "parameters are written before deepspeed.initialize, so the optimizer starts from them"
             )
         with torch.no_grad():
-            if any(_is_zero3(p) for p, _ in params):
-                import deepspeed
-
-                # Every rank computed the same values; data-parallel rank 0's are broadcast.
-                with deepspeed.zero.GatheredParameters([p for p, _ in params], modifier_rank=0):
-                    for p, v in params:
-                        p.data.copy_(v)
-            else:
-                for p, v in params:
+            for p, v in params:
+                if _is_zero3(p):
+                    _write_zero3_partition(p, v)
+                elif _owns_storage(v) and v.dtype == p.dtype and v.device == p.device:
+                    p.data = v  # a fresh result of the operators: adopt it, do not copy it
+                else:
                     p.data.copy_(v)
 
     def _write_state(self, params) -> None:
@@ -221,55 +247,56 @@ class Snapshot:
         self.group, self.storage, self.directory = group, storage, directory
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self._parts: dict[str, dict[str, torch.Tensor]] = {}
-        self._shapes: dict[str, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+        self._parts: dict[tuple[str, str], torch.Tensor] = {}
+        self._shapes: dict[tuple[str, str], tuple[torch.Size, torch.dtype]] = {}
+        self.model_names: list[str] = []
+        self.layer_names: list[str] = []
 
     def write_model(self, values: dict[str, torch.Tensor]) -> None:
-        self._put("model", values)
+        self._put("model", values, self.model_names)
 
     def write_layer(self, layer: int, values: dict[str, torch.Tensor]) -> None:
-        self._put(f"layer{layer}", values)
+        self._put(f"layer{layer}", values, self.layer_names)
 
-    def read_model(self) -> dict[str, torch.Tensor]:
-        return self._get("model")
+    def read_model(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        return {name: self._get("model", name) for name in names}
 
-    def read_layer(self, layer: int) -> dict[str, torch.Tensor]:
-        return self._get(f"layer{layer}")
+    def read_layer(self, layer: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        return {name: self._get(f"layer{layer}", name) for name in names}
 
-    def _put(self, key: str, values: dict[str, torch.Tensor]) -> None:
-        parts = {}
+    def _put(self, key: str, values: dict[str, torch.Tensor], names: list[str]) -> None:
         for name, t in values.items():
+            if name not in names:
+                names.append(name)
             flat = t.detach().reshape(-1)
             chunk = math.ceil(flat.numel() / self.size)
-            part = flat[self.rank * chunk : (self.rank + 1) * chunk]
-            part = torch.nn.functional.pad(part, (0, chunk - part.numel())).clone()
-            parts[name] = part if self.storage == "memory" else part.cpu()
-        self._shapes[key] = {name: (t.shape, t.dtype) for name, t in values.items()}
-        if self.storage == "disk":
-            os.makedirs(self.directory, exist_ok=True)
-            path = self._path(key)
-            torch.save(parts, path + ".tmp")
-            os.replace(path + ".tmp", path)
-        else:
-            self._parts[key] = parts
+            device = t.device if self.storage == "memory" else torch.device("cpu")
+            part = torch.zeros(chunk, dtype=t.dtype, device=device)
+            mine = flat[self.rank * chunk : (self.rank + 1) * chunk]
+            part[: mine.numel()].copy_(mine)
+            self._shapes[key, name] = (t.shape, t.dtype)
+            if self.storage == "disk":
+                os.makedirs(self.directory, exist_ok=True)
+                path = self._path(key, name)
+                torch.save(part, path + ".tmp")
+                os.replace(path + ".tmp", path)
+            else:
+                self._parts[key, name] = part
 
-    def _path(self, key: str) -> str:
-        return os.path.join(self.directory, f"{key}.rank{self.rank}.pt")
+    def _path(self, key: str, name: str) -> str:
+        return os.path.join(self.directory, f"{key}.{name}.rank{self.rank}.pt")
 
-    def _get(self, key: str) -> dict[str, torch.Tensor]:
-        parts = torch.load(self._path(key)) if self.storage == "disk" else self._parts[key]
-        out = {}
-        for name, (shape, dtype) in self._shapes[key].items():
-            part = parts[name]
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else part.device
-            part = part.to(device)
-            if self.size > 1:
-                gathered = [torch.empty_like(part) for _ in range(self.size)]
-                dist.all_gather(gathered, part, group=self.group)
-                part = torch.cat(gathered)
-            out[name] = part[: math.prod(shape)].view(shape).to(dtype)
-        return out
+    def _get(self, key: str, name: str) -> torch.Tensor:
+        shape, dtype = self._shapes[key, name]
+        part = torch.load(self._path(key, name)) if self.storage == "disk" else self._parts[key, name]
+        if torch.cuda.is_available():
+            part = part.to(torch.device("cuda", torch.cuda.current_device()))
+        if self.size > 1:
+            gathered = part.new_empty(part.numel() * self.size)
+            dist.all_gather_into_tensor(gathered, part, group=self.group)
+            part = gathered
+        return part[: math.prod(shape)].view(shape).to(dtype)
 
     def local_bytes(self) -> int:
         """Bytes this rank holds in memory (zero for a snapshot on disk)."""
-        return sum(t.numel() * t.element_size() for p in self._parts.values() for t in p.values())
+        return sum(t.numel() * t.element_size() for t in self._parts.values())

@@ -98,7 +98,7 @@ def _build_target(cfg: ModelConfig, layout: Layout, ds_config: Optional[dict]) -
     if parallel_state.get_tensor_model_parallel_world_size() != layout.tensor_model_parallel_size:
         set_tensor_model_parallel_size(layout.tensor_model_parallel_size)
     if layout.zero_stage < 3:
-        return build_model(cfg)
+        return build_model(cfg, perform_initialization=False)
     import deepspeed
 
     from megatron_multilevel.parallel.mpu import mpu
@@ -110,7 +110,7 @@ def _build_target(cfg: ModelConfig, layout: Layout, ds_config: Optional[dict]) -
     with deepspeed.zero.Init(
         data_parallel_group=parallel_state.get_data_parallel_group(), config_dict_or_path=config, mpu=mpu
     ):
-        return build_model(cfg)
+        return build_model(cfg, perform_initialization=False)
 
 
 def _adam_step(optimizer) -> int:
@@ -226,9 +226,7 @@ def load_moments(engine, staged: Staged) -> None:
             engine.module, staged.cfg, Groups.current(), local=staged.local,
             optimizer=engine.optimizer, state_key=key,
         )
-        writer.write_model(snapshot.read_model())
-        for i in range(staged.cfg.num_layers):
-            writer.write_layer(i, snapshot.read_layer(i))
+        _copy_stream(snapshot, writer, staged.cfg.num_layers)
     # Adam's bias correction continues from the step count the moments were built over.
     for state in _inner_torch_optimizer(engine.optimizer).state.values():
         state["step"] = torch.tensor(float(staged.step))
@@ -242,27 +240,43 @@ def _snapshot_group(fast: bool):
 
 
 def _coarsen_stream(reader, writer, level_map: LevelMap, *, tee=None) -> None:
-    model = reader.read_model()
-    if tee is not None:
-        tee.write_model(model)
-    writer.write_model(coalesce_model_params(model, level_map))
+    """Coalesce parameter by parameter: a rank holds at most one parameter of each fine layer of
+    a depth group (full, or its shard on the fast path) beyond its own shards."""
+    for name in reader.model_names:
+        value = reader.read_model([name])
+        if tee is not None:
+            tee.write_model(value)
+        writer.write_model(coalesce_model_params(value, level_map))
     for k, members in enumerate(depth_groups(level_map)):
-        fine_layers = []
-        for i in members:
-            fine_layers.append(reader.read_layer(i))
-            if tee is not None:
-                tee.write_layer(i, fine_layers[-1])
-        writer.write_layer(k, coalesce_layers(fine_layers, level_map))
+        for name in reader.layer_names:
+            fine = []
+            for i in members:
+                fine.append(reader.read_layer(i, [name]))
+                if tee is not None:
+                    tee.write_layer(i, fine[-1])
+            writer.write_layer(k, coalesce_layers(fine, level_map))
+            del fine
 
 
 def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, alpha: float) -> None:
-    decoalesced = decoalesce_model_params(coarse_reader.read_model(), level_map)
-    writer.write_model(interpolate(before_reader.read_model(), decoalesced, alpha))
-    cached = (None, None)
-    # Fine layers in order of their coarse layer, so that each coarse layer is read once.
-    order = sorted(range(level_map.fine.num_layers), key=lambda j: (coarse_layer_of(level_map, j), j))
-    for j in order:
-        k = coarse_layer_of(level_map, j)
-        if cached[0] != k:
-            cached = (k, decoalesce_layer(coarse_reader.read_layer(k), level_map))
-        writer.write_layer(j, interpolate(before_reader.read_layer(j), cached[1], alpha))
+    """De-coalesce and interpolate parameter by parameter."""
+    for name in coarse_reader.model_names:
+        decoalesced = decoalesce_model_params(coarse_reader.read_model([name]), level_map)
+        writer.write_model(interpolate(before_reader.read_model([name]), decoalesced, alpha))
+    fine_of = {}
+    for j in range(level_map.fine.num_layers):
+        fine_of.setdefault(coarse_layer_of(level_map, j), []).append(j)
+    for k in sorted(fine_of):
+        for name in coarse_reader.layer_names:
+            decoalesced = decoalesce_layer(coarse_reader.read_layer(k, [name]), level_map)
+            for j in fine_of[k]:
+                writer.write_layer(j, interpolate(before_reader.read_layer(j, [name]), decoalesced, alpha))
+            del decoalesced
+
+
+def _copy_stream(reader, writer, num_layers: int) -> None:
+    for name in reader.model_names:
+        writer.write_model(reader.read_model([name]))
+    for i in range(num_layers):
+        for name in reader.layer_names:
+            writer.write_layer(i, reader.read_layer(i, [name]))

@@ -1,0 +1,211 @@
+"""Time and memory of a V-cycle transition on a GPT-Base-shaped model (124M parameters, fp32).
+
+Run (spawns its own ranks; on a GPU node use the same command):
+
+    python tools/benchmark_transition.py                 # 2 ranks, both paths
+    python tools/benchmark_transition.py --layers 4      # a smaller model, quicker
+
+For each path it prints, per rank: the coarsen and prolong times, the peak memory the transition
+added (the new level's model included), and the floors a user compares with: a plain clone of the
+rank's own parameters (memory bandwidth), the rank's share of the model, one layer in full, and
+the word embedding in full.
+
+- fast path: TP=2 at both levels, shard-local groupings, ZeRO-0: each rank maps its own shards.
+- streaming: DP=2 with ZeRO-3: parameters gathered, projected and re-partitioned layer by layer.
+"""
+
+import argparse
+import ctypes
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def rss_bytes(field: str = "VmRSS") -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_peak() -> int:
+    """Return freed heap to the OS and reset the peak-RSS counter; returns the current RSS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return rss_bytes()
+
+
+def tensor_bytes(module) -> int:
+    total = 0
+    for p in module.parameters():
+        t = p.ds_tensor if hasattr(p, "ds_tensor") else p
+        total += t.numel() * t.element_size()
+    return total
+
+
+def run_path(name, cfg, fine_layout, coarse_layout, repeats):
+    import deepspeed
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
+    from megatron_multilevel.level_maps import make_level_map
+    from megatron_multilevel.models import build_model
+    from megatron_multilevel.parallel.mpu import mpu
+    from megatron_multilevel.parallel.transition import coarsen, prolong
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": fine_layout.zero_stage},
+        "steps_per_print": 10**9,
+    }
+    set_tensor_model_parallel_size(fine_layout.tensor_model_parallel_size)
+    set_seed(0)
+    lm = make_level_map(cfg, tensor_model_parallel_size=fine_layout.tensor_model_parallel_size)
+    if fine_layout.zero_stage == 3:
+        with deepspeed.zero.Init(data_parallel_group=ps.get_data_parallel_group(), config_dict_or_path=ds_config, mpu=mpu):
+            model = build_model(cfg)
+    else:
+        model = build_model(cfg)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config, mpu=mpu)
+    own = tensor_bytes(engine.module)
+
+    # Floor: a plain clone of this rank's own parameters.
+    params = [p.ds_tensor if hasattr(p, "ds_tensor") else p.data for p in engine.module.parameters()]
+    clone_times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        copies = [t.clone() for t in params]
+        clone_times.append(time.perf_counter() - t0)
+        del copies
+
+    # Floor of the streaming path: the rank's own parameters through one all-gather (the least
+    # communication that assembles the whole model once).
+    flat = torch.cat([t.reshape(-1) for t in params])
+    gather_times = []
+    for _ in range(repeats):
+        out = flat.new_empty(flat.numel() * dist.get_world_size())
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_gather_into_tensor(out, flat)
+        gather_times.append(time.perf_counter() - t0)
+        del out
+    del flat
+
+    rows = []
+    for _ in range(repeats):
+        dist.barrier()
+        base = reset_peak()
+        t0 = time.perf_counter()
+        staged, before = coarsen(engine.module, lm, fine_layout=fine_layout, coarse_layout=coarse_layout, ds_config=ds_config)
+        t_coarsen = time.perf_counter() - t0
+        peak_coarsen = rss_bytes("VmHWM") - base
+        coarse_model = staged.model
+        dist.barrier()
+        base = reset_peak()
+        t0 = time.perf_counter()
+        fine = prolong(coarse_model, before, lm, 0.5, coarse_layout=coarse_layout, fine_layout=fine_layout, ds_config=ds_config)
+        t_prolong = time.perf_counter() - t0
+        peak_prolong = rss_bytes("VmHWM") - base
+        rows.append((t_coarsen, t_prolong, peak_coarsen, peak_prolong, tensor_bytes(coarse_model),
+                     before.params.local_bytes(), tensor_bytes(fine.model)))
+        del staged, before, fine, coarse_model
+        set_tensor_model_parallel_size(fine_layout.tensor_model_parallel_size)
+    layer = sum(p.numel() for n, p in build_layer_shapes(cfg)) * 4
+    return dict(path=name, own=own, clone=min(clone_times), gather=min(gather_times), rows=rows, layer=layer,
+                embedding=cfg.vocab_size * cfg.hidden_size * 4)
+
+
+def build_layer_shapes(cfg):
+    """(name, tensor) of one full fine layer, for its size."""
+    from megatron_multilevel.plan import parameter_plan
+
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels
+    shapes = {
+        "qkv.w": (qkv, h), "qkv.b": (qkv,), "proj.w": (h, cfg.num_attention_heads * cfg.kv_channels),
+        "proj.b": (h,), "fc1.w": (f, h), "fc1.b": (f,), "fc2.w": (h, f), "fc2.b": (h,),
+        "ln1.w": (h,), "ln1.b": (h,), "ln2.w": (h,), "ln2.b": (h,),
+    }
+    assert parameter_plan(cfg)
+    return [(n, torch.empty(s, device="meta")) for n, s in shapes.items()]
+
+
+def worker(rank, world, args, out):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron_multilevel.config import ModelConfig
+    from megatron_multilevel.distributed import init_distributed
+    from megatron_multilevel.parallel.transition import Layout
+
+    init_distributed(1, init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
+    results = []
+    for vocab in (50304, 512):
+        # vocab 512 isolates the layer stream: GPT-2's word embedding alone is 5.5 layers.
+        cfg = ModelConfig(num_layers=args.layers, hidden_size=768, num_attention_heads=12, vocab_size=vocab,
+                          max_sequence_length=1024)
+        results += [
+            run_path(f"fast path (TP=2, ZeRO-0), vocab {vocab}", cfg, Layout(2, 0), Layout(2, 0), args.repeats),
+            run_path(f"streaming (DP=2, ZeRO-3), vocab {vocab}", cfg, Layout(1, 3), Layout(1, 3), args.repeats),
+        ]
+    torch.save(results, f"{out}/rank{rank}.pt")
+
+
+def report(results_by_rank, args):
+    mib = 2**20
+    print(f"GPT-Base shape: {args.layers} layers, hidden 768, 12 heads, fp32, 2 ranks (gloo on CPU, NCCL on GPU); "
+          f"best of {args.repeats}; rank 0 (rank 1 alike)")
+    print()
+    print("| path | coarsen s | prolong s | clone own params s | all-gather own params s | coarsen / clone "
+          "| prolong / clone | peak extra coarsen MiB | peak extra prolong MiB | new coarse model MiB "
+          "| fine snapshot MiB | new fine model MiB | own params MiB | one layer MiB | word embedding MiB |")
+    print("|" + "---|" * 15)
+    for r in results_by_rank[0]:
+        rows = r["rows"]
+        tc, tp = min(x[0] for x in rows), min(x[1] for x in rows)
+        pc, pp = min(x[2] for x in rows), min(x[3] for x in rows)
+        coarse_b, snap_b, fine_b = rows[0][4], rows[0][5], rows[0][6]
+        print(f"| {r['path']} | {tc:.2f} | {tp:.2f} | {r['clone']:.3f} | {r['gather']:.3f} "
+              f"| {tc / r['clone']:.1f}x | {tp / r['clone']:.1f}x | {pc / mib:.0f} | {pp / mib:.0f} "
+              f"| {coarse_b / mib:.0f} | {snap_b / mib:.0f} | {fine_b / mib:.0f} | {r['own'] / mib:.0f} "
+              f"| {r['layer'] / mib:.0f} | {r['embedding'] / mib:.0f} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    import multiprocessing as mp
+
+    # Large allocations are mmapped and returned on free, so that resident memory tracks the live
+    # tensors (glibc's default keeps freed blocks of up to 32 MiB in the heap).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=worker, args=(r, 2, args, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise SystemExit("a rank failed")
+        report([torch.load(f"{out}/rank{r}.pt", weights_only=False) for r in range(2)], args)
+
+
+if __name__ == "__main__":
+    main()
