@@ -150,6 +150,62 @@ def coarse_model_config(cfg: ModelConfig, *, width: bool, depth: bool) -> ModelC
 
 
 @dataclass
+class LRConfig:
+    """A learning-rate schedule for one phase of training (AdamW restarts at every phase)."""
+
+    peak: float = 1e-3
+    """Peak learning rate, reached after warm-up."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to ``peak``."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay from ``peak`` to ``peak * min_ratio`` over the rest of the phase."""
+    min_ratio: float = 0.1
+    """Final learning rate as a fraction of ``peak``."""
+
+    def __post_init__(self):
+        if self.peak <= 0:
+            raise ValueError(f"lr.peak must be positive, got {self.peak}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"lr.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_ratio <= 1.0:
+            raise ValueError(f"lr.min_ratio must be in [0, 1], got {self.min_ratio}")
+
+
+@dataclass
+class LevelConfig:
+    """One level of the V-cycle (level 0 is the fine model)."""
+
+    steps_before: int = 0
+    """Steps trained at this level before coalescing it (``E_a``); the coarsest level's only steps."""
+    lr_before: LRConfig = field(default_factory=LRConfig)
+    """Schedule of the steps before coalescing."""
+    steps_after: int = 0
+    """Steps trained at this level after de-coalescing the next one back into it (0 for the
+    coarsest level)."""
+    lr_after: Optional[LRConfig] = None
+    """Schedule of the steps after de-coalescing; null means ``lr_before``."""
+    alpha: Optional[float] = None
+    """Interpolation weight when this level is rebuilt from the next; null means
+    ``multilevel.alpha``."""
+    tensor_model_parallel_size: Optional[int] = None
+    """Tensor-parallel size at this level; null means ``parallel.tensor_model_parallel_size``."""
+    deepspeed: dict = field(default_factory=dict)
+    """DeepSpeed keys overridden at this level (deep-merged), e.g. ``{"zero_optimization": {"stage": 3}}``."""
+
+    def __post_init__(self):
+        if self.steps_before < 0 or self.steps_after < 0:
+            raise ValueError("multilevel.levels[*].steps_before and steps_after must be >= 0")
+        if self.alpha is not None:
+            check_alpha(self.alpha, "multilevel.levels[*].alpha")
+        unknown = sorted(set(self.deepspeed) - DEEPSPEED_KEYS)
+        if unknown:
+            raise ValueError(
+                f"multilevel.levels[*].deepspeed: unknown DeepSpeed key(s) {unknown}; "
+                f"valid keys are {sorted(DEEPSPEED_KEYS)}"
+            )
+
+
+@dataclass
 class MultilevelConfig:
     """The operators and the shape of the V-cycle."""
 
@@ -171,6 +227,17 @@ class MultilevelConfig:
     residual-branch outputs (attention and FFN output projections)."""
     alpha: float = 0.5
     """Interpolation weight of the de-coalesced model: ``(1 - alpha) * before + alpha * decoalesced``."""
+    levels: list[LevelConfig] = field(default_factory=list)
+    """Schedule per level, finest first; exactly ``num_levels`` entries when enabled."""
+    optimizer_state: Literal["reset", "map"] = "reset"
+    """At a transition, start AdamW afresh (the paper) or map its moments through the operators."""
+    perturbation_std: float = 0.0
+    """Standard deviation of Gaussian noise added to every weight after de-coalescing and
+    interpolation, relative to that weight's own standard deviation (breaks the symmetry of
+    copied units; interpolation and dropout also do)."""
+    keep_fine: Literal["memory", "cpu", "disk"] = "memory"
+    """Where the fine model is kept for interpolation while coarser levels train: sharded on the
+    device, in host memory, or on disk under the run directory."""
 
     def __post_init__(self):
         if self.num_levels < 2:
@@ -178,6 +245,87 @@ class MultilevelConfig:
         if not (self.coalesce_width or self.coalesce_depth):
             raise ValueError("multilevel: coalesce_width and coalesce_depth cannot both be false")
         check_alpha(self.alpha, "multilevel.alpha")
+        if self.perturbation_std < 0:
+            raise ValueError(f"multilevel.perturbation_std must be >= 0, got {self.perturbation_std}")
+        if self.enabled:
+            if len(self.levels) != self.num_levels:
+                raise ValueError(
+                    f"multilevel.levels has {len(self.levels)} entries; multilevel.num_levels = "
+                    f"{self.num_levels} needs one per level, finest first"
+                )
+            if self.levels[-1].steps_after:
+                raise ValueError("multilevel.levels[-1].steps_after must be 0: the coarsest level trains once")
+            if self.levels[-1].steps_before <= 0:
+                raise ValueError("multilevel.levels[-1].steps_before must be positive")
+
+    def alpha_of(self, level: int) -> float:
+        """Interpolation weight when ``level`` is rebuilt from ``level + 1``."""
+        alpha = self.levels[level].alpha
+        return self.alpha if alpha is None else alpha
+
+
+@dataclass
+class DataConfig:
+    """Training data: a Megatron indexed dataset, or the embedded default corpus."""
+
+    prefix: Optional[str] = None
+    """Path prefix of a Megatron indexed dataset (``.bin``/``.idx``) made by
+    ``tools/preprocess_data.py``; null means the embedded corpus (the Python standard library's
+    own source files, prepared once and cached)."""
+    tokenizer_model: Optional[str] = None
+    """SentencePiece model of ``prefix``; required with ``prefix``."""
+    cache_dir: str = ".cache/megatron_multilevel"
+    """Where the embedded corpus and Megatron's dataset indices are cached."""
+    seq_length: int = 128
+    """Tokens per training sequence."""
+    split: str = "98,2,0"
+    """Train, validation and test shares of the documents."""
+    masking_probability: float = 0.15
+    """BERT: share of tokens masked."""
+    short_sequence_probability: float = 0.1
+    """BERT: probability of a shorter sequence."""
+    num_workers: int = 0
+    """Data-loader worker processes."""
+
+    def __post_init__(self):
+        _check_positive("data.seq_length", self.seq_length)
+        if (self.prefix is None) != (self.tokenizer_model is None):
+            raise ValueError("data.prefix and data.tokenizer_model go together (both set, or both null)")
+        parts = self.split.split(",")
+        if len(parts) != 3 or not all(p.strip().replace(".", "", 1).isdigit() for p in parts):
+            raise ValueError(f"data.split must be three comma-separated numbers, got {self.split!r}")
+        if float(parts[1]) <= 0:
+            raise ValueError("data.split needs a validation share (the second number) above 0")
+
+
+@dataclass
+class TrainingConfig:
+    """The training loop."""
+
+    seed: int = 1234
+    """Seed of initialisation, data order and noise."""
+    output_dir: str = "runs/default"
+    """Run directory: checkpoints, metrics, TensorBoard events, summary."""
+    train_steps: int = 600
+    """Steps of the fine model when ``multilevel.enabled`` is false (training from scratch)."""
+    lr: LRConfig = field(default_factory=LRConfig)
+    """Schedule when ``multilevel.enabled`` is false."""
+    log_interval: int = 10
+    """Steps between console lines and metric records."""
+    eval_interval: int = 50
+    """Steps between validation losses (and at the end of every phase)."""
+    eval_batches: int = 8
+    """Global batches of the held-out split per validation."""
+    save_interval: int = 100
+    """Steps between checkpoints (a checkpoint is also saved at every transition); 0: only those."""
+    keep_checkpoints: int = 2
+    """Periodic checkpoints kept besides the ones a resume may still need."""
+
+    def __post_init__(self):
+        for name in ("train_steps", "log_interval", "eval_interval", "eval_batches"):
+            _check_positive(f"training.{name}", getattr(self, name))
+        if self.save_interval < 0 or self.keep_checkpoints < 1:
+            raise ValueError("training.save_interval must be >= 0 and training.keep_checkpoints >= 1")
 
 
 def check_alpha(alpha: float, name: str = "alpha") -> None:
@@ -206,11 +354,44 @@ class RunConfig:
     """The V-cycle."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Tensor parallelism."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training data."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """The training loop."""
     deepspeed: dict = field(default_factory=dict)
-    """Every DeepSpeed key of the file, passed to ``deepspeed.initialize`` unchanged."""
+    """Every DeepSpeed key of the file, passed to ``deepspeed.initialize`` (per level overrides merged)."""
 
     def __post_init__(self):
-        check_model_parallel(self.model, self.parallel.tensor_model_parallel_size)
+        if self.data.seq_length > self.model.max_sequence_length:
+            raise ValueError(
+                f"data.seq_length = {self.data.seq_length} exceeds model.max_sequence_length = "
+                f"{self.model.max_sequence_length}"
+            )
+        if "scheduler" in self.deepspeed:
+            raise ValueError(
+                "config: DeepSpeed's 'scheduler' is not used; the learning rate of every phase is "
+                "set by training.lr and multilevel.levels[*].lr_before / lr_after"
+            )
+        for level, (cfg, tp) in enumerate(zip(self.level_models(), self.level_tp_sizes())):
+            try:
+                check_model_parallel(cfg, tp)
+            except ValueError as e:
+                raise ValueError(f"level {level}: {e}") from None
+
+    def level_models(self) -> list[ModelConfig]:
+        """The model config of every level, finest first (only the fine one without multilevel)."""
+        models = [self.model]
+        ml = self.multilevel
+        for _ in range(ml.num_levels - 1 if ml.enabled else 0):
+            models.append(coarse_model_config(models[-1], width=ml.coalesce_width, depth=ml.coalesce_depth))
+        return models
+
+    def level_tp_sizes(self) -> list[int]:
+        """The tensor-parallel size of every level."""
+        default = self.parallel.tensor_model_parallel_size
+        if not self.multilevel.enabled:
+            return [default]
+        return [lv.tensor_model_parallel_size or default for lv in self.multilevel.levels]
 
 
 OUR_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "deepspeed")

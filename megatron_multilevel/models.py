@@ -198,7 +198,9 @@ def language_model_loss(
     else:
         if padding_mask is None:
             padding_mask = torch.ones(b, s, device=tokens.device)
-        if tokentype_ids is None and cfg.num_tokentypes:
+        if not cfg.num_tokentypes:
+            tokentype_ids = None  # the data has segment ids; a model without their embedding ignores them
+        elif tokentype_ids is None:
             tokentype_ids = torch.zeros_like(tokens)
         losses, _ = model(tokens, padding_mask, tokentype_ids, lm_labels=labels)
     mask = loss_mask.float()

@@ -13,6 +13,7 @@ every rank maps its own shards and nothing is communicated. Otherwise parameters
 projected and resharded one layer at a time.
 """
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -175,6 +176,37 @@ def coarsen(
     return staged, before
 
 
+def snapshot_level(
+    fine_module: torch.nn.Module,
+    level_map: LevelMap,
+    *,
+    fine_layout: Layout,
+    coarse_layout: Layout,
+    optimizer=None,
+    map_moments: bool = False,
+    keep: Storage = "memory",
+    keep_dir: Optional[str] = None,
+) -> FineSnapshot:
+    """The snapshot ``coarsen`` keeps, taken again from a fine model (e.g. a resumed run's
+    checkpoint of the level just before it was coalesced)."""
+    _check_layouts(level_map, fine_layout, coarse_layout)
+    fast = uses_fast_path(level_map, fine_layout, coarse_layout)
+    groups = Groups.current()
+    group = _snapshot_group(fast)
+    keys = (None,) + (MOMENTS if map_moments else ())
+    before = FineSnapshot(None, step=_adam_step(optimizer) if map_moments else 0)
+    for key in keys:
+        kind = key or "params"
+        snapshot = Snapshot(group, storage=keep, directory=None if keep_dir is None else f"{keep_dir}/{kind}")
+        reader = ModelReader(fine_module, level_map.fine, groups, local=fast, optimizer=optimizer, state_key=key)
+        _copy_stream(reader, snapshot, level_map.fine.num_layers)
+        if key is None:
+            before.params = snapshot
+        else:
+            before.moments[key] = snapshot
+    return before
+
+
 def prolong(
     coarse_module: torch.nn.Module,
     before: FineSnapshot,
@@ -186,10 +218,14 @@ def prolong(
     ds_config: Optional[dict] = None,
     optimizer=None,
     map_moments: bool = False,
+    perturbation_std: float = 0.0,
+    seed: int = 0,
 ) -> Staged:
     """Build the fine level again: de-coalesce the coarse model and interpolate with ``before``.
 
-    The result is ``(1 - alpha) * before + alpha * decoalesce(coarse)`` in ``fine_layout``.
+    The result is ``(1 - alpha) * before + alpha * decoalesce(coarse)`` in ``fine_layout``, plus,
+    with ``perturbation_std``, Gaussian noise of that size relative to each weight's own standard
+    deviation (seeded by ``seed`` and the parameter's name: the same on every rank).
     """
     check_alpha(alpha)
     _check_layouts(level_map, fine_layout, coarse_layout)
@@ -206,7 +242,7 @@ def prolong(
     step = _adam_step(optimizer) if map_moments else 0
     fine_model = _build_target(level_map.fine, fine_layout, ds_config)
     writer = ModelWriter(fine_model, level_map.fine, Groups.current(), local=fast)
-    _prolong_stream(reader, before.params, writer, op_map, alpha)
+    _prolong_stream(reader, before.params, writer, op_map, alpha, perturbation_std=perturbation_std, seed=seed)
     staged = Staged(fine_model, level_map.fine, fast, step=step)
     for key, moment_reader in moment_readers.items():
         staged.moments[key] = Snapshot(_snapshot_group(fast))
@@ -258,11 +294,25 @@ def _coarsen_stream(reader, writer, level_map: LevelMap, *, tee=None) -> None:
             del fine
 
 
-def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, alpha: float) -> None:
+def _perturb(values: dict, std: float, seed: int, key: str) -> dict:
+    """Add seeded Gaussian noise, ``std`` times each tensor's own standard deviation."""
+    if not std:
+        return values
+    out = {}
+    for name, t in values.items():
+        gen = torch.Generator().manual_seed(seed + zlib.crc32(f"{key}/{name}".encode()))
+        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device)
+        out[name] = (t.float() + std * t.float().std() * noise).to(t.dtype) if t.numel() > 1 else t
+    return out
+
+
+def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, alpha: float, *,
+                    perturbation_std: float = 0.0, seed: int = 0) -> None:
     """De-coalesce and interpolate parameter by parameter."""
     for name in coarse_reader.model_names:
         decoalesced = decoalesce_model_params(coarse_reader.read_model([name]), level_map)
-        writer.write_model(interpolate(before_reader.read_model([name]), decoalesced, alpha))
+        values = interpolate(before_reader.read_model([name]), decoalesced, alpha)
+        writer.write_model(_perturb(values, perturbation_std, seed, "model"))
     fine_of = {}
     for j in range(level_map.fine.num_layers):
         fine_of.setdefault(coarse_layer_of(level_map, j), []).append(j)
@@ -270,7 +320,8 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
         for name in coarse_reader.layer_names:
             decoalesced = decoalesce_layer(coarse_reader.read_layer(k, [name]), level_map)
             for j in fine_of[k]:
-                writer.write_layer(j, interpolate(before_reader.read_layer(j, [name]), decoalesced, alpha))
+                values = interpolate(before_reader.read_layer(j, [name]), decoalesced, alpha)
+                writer.write_layer(j, _perturb(values, perturbation_std, seed, f"layer{j}"))
             del decoalesced
 
 

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Multi-level (V-cycle) pretraining with Megatron-Core and DeepSpeed.
+#
+#   launch/pretrain_vcycle.sh [CONFIG.json] [dotted.key=value ...] [launcher options]
+#
+# With no CONFIG, runs the embedded default: a small GPT V-cycle on the Python standard library's
+# sources, which finishes in a few minutes on a 2-core CPU. Overrides change the config, e.g.
+#   launch/pretrain_vcycle.sh configs/gpt_tiny_cpu.json training.output_dir=runs/try multilevel.alpha=0.25
+#
+# Launcher options go to the DeepSpeed launcher as DeepSpeed users expect:
+#   --num_gpus N (alias --num_procs N: processes per node; on CPU one process by default)
+#   --num_nodes N, --hostfile FILE, --master_addr ADDR, --master_port PORT,
+#   --include/--exclude SPEC, --no_ssh --node_rank R (start each node yourself), --bind_cores_to_rank
+# e.g. on two nodes:
+#   launch/pretrain_vcycle.sh configs/gpt_base.json --hostfile hosts --num_nodes 2 --num_gpus 8
+# or, without ssh, on every node:
+#   launch/pretrain_vcycle.sh configs/gpt_base.json --hostfile hosts --no_ssh --node_rank $RANK \
+#       --master_addr node0 --master_port 29500
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+config=""
+launcher=()
+overrides=()
+procs_given=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --num_procs) launcher+=(--num_gpus "$2"); procs_given=1; shift 2 ;;
+    --num_procs=*) launcher+=("--num_gpus=${1#*=}"); procs_given=1; shift ;;
+    --num_gpus|--include|--exclude) launcher+=("$1" "$2"); procs_given=1; shift 2 ;;
+    --num_gpus=*|--include=*|--exclude=*) launcher+=("$1"); procs_given=1; shift ;;
+    -H|--hostfile|--num_nodes|--master_addr|--master_port|--node_rank|--launcher|--launcher_args|--ssh_port|--bind_core_list)
+      launcher+=("$1" "$2"); shift 2 ;;
+    --hostfile=*|--num_nodes=*|--master_addr=*|--master_port=*|--node_rank=*|--launcher=*|--ssh_port=*|--bind_core_list=*)
+      launcher+=("$1"); shift ;;
+    --no_ssh|--no_ssh_check|--force_multi|--bind_cores_to_rank|--enable_each_rank_log)
+      launcher+=("$1"); shift ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -*) echo "pretrain_vcycle.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *.json)
+      if [[ -n "$config" ]]; then echo "pretrain_vcycle.sh: two configs given: $config and $1" >&2; exit 2; fi
+      config="$1"; shift ;;
+    *=*) overrides+=("$1"); shift ;;
+    *) echo "pretrain_vcycle.sh: $1 is neither a .json config nor a dotted.key=value override" >&2; exit 2 ;;
+  esac
+done
+
+if [[ -z "$config" ]]; then
+  config="$root/configs/gpt_tiny_cpu.json"
+fi
+if [[ ! -f "$config" ]]; then
+  echo "pretrain_vcycle.sh: config $config does not exist" >&2; exit 2
+fi
+
+python_bin="${PYTHON:-python}"
+if ! "$python_bin" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  # CPU: one process unless asked otherwise (the DeepSpeed launcher would start one per NUMA node).
+  if [[ $procs_given -eq 0 ]]; then launcher+=(--num_gpus 1); fi
+fi
+# DeepSpeed compiles small ops at run time; keep them in one place so that every run pays once.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extensions}"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+
+exec "$python_bin" -m deepspeed.launcher.runner "${launcher[@]}" --module megatron_multilevel.pretrain \
+  --config "$config" "${overrides[@]}"

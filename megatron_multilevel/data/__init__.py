@@ -1,0 +1,1 @@
+"""Data: SentencePiece tokenizers, Megatron indexed datasets, the embedded default corpus."""

@@ -1,0 +1,85 @@
+"""Entry point of a pretraining run: from scratch or a V-cycle, GPT or BERT.
+
+Started by the DeepSpeed launcher (``launch/pretrain_vcycle.sh``), one process per rank:
+
+    deepspeed --num_gpus 8 --module megatron_multilevel.pretrain --config configs/gpt_base.json \\
+        training.output_dir=runs/gpt_base multilevel.alpha=0.25
+
+Overrides are ``dotted.key=value`` (JSON values; list items by index, e.g.
+``multilevel.levels.0.steps_before=100``) applied to the config file before it is checked.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Set ``dotted.key=value`` pairs in a JSON-like dict (values parsed as JSON when they are)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not of the form dotted.key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        parts = key.split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            nxt = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+            if not isinstance(nxt, (dict, list)):
+                raise ValueError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not an object")
+            node = nxt
+        last = parts[-1]
+        if isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+    return data
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Multi-level (V-cycle) pretraining with Megatron-Core and DeepSpeed")
+    parser.add_argument("--config", required=True, help="run config: a DeepSpeed JSON config plus our blocks")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatron_multilevel.config import load_config
+
+    with open(args.config) as f:
+        data = json.load(f)
+    try:
+        cfg = load_config(apply_overrides(data, args.overrides))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        # ranks sharing a CPU split its cores instead of oversubscribing them
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    from megatron_multilevel.distributed import init_distributed
+    from megatron_multilevel.training.trainer import Trainer, TrainingError
+
+    try:
+        init_distributed(cfg.level_tp_sizes()[0], seed=cfg.training.seed)
+        Trainer(cfg).run()
+    except (ValueError, TrainingError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

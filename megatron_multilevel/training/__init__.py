@@ -1,0 +1,1 @@
+"""The V-cycle trainer: phases, learning-rate schedules, FLOPs, checkpoints, metrics."""

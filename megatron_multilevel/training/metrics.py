@@ -1,0 +1,79 @@
+"""What a run shows and keeps: console progress, ``metrics.jsonl``, TensorBoard events.
+
+Only global rank 0 writes. Every record carries the level, phase, global step, tokens, FLOPs
+and wall-clock seconds so far (training and transitions, not evaluation or checkpointing), so
+that loss can be plotted against any of them (``tools/plot_metrics.py``).
+"""
+
+import json
+import os
+import time
+from typing import Optional
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Metrics:
+    def __init__(self, output_dir: str, *, enabled: bool, resume_global_step: Optional[int] = None):
+        self.enabled = enabled
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.started = time.time()
+        self.tb = None
+        if not enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if resume_global_step is not None and os.path.exists(self.path):
+            self._truncate_after(resume_global_step)
+        elif resume_global_step is None and os.path.exists(self.path):
+            os.remove(self.path)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=resume_global_step)
+        except ImportError:  # tensorboard is optional at run time
+            self.tb = None
+
+    def _truncate_after(self, global_step: int) -> None:
+        """Drop what a killed run logged after the checkpoint it resumes from."""
+        with open(self.path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line).get("global_step", 0) <= global_step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
+
+    def record(self, kind: str, **values) -> None:
+        if not self.enabled:
+            return
+        values = {"type": kind, **values}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(values) + "\n")
+        if self.tb is not None and "global_step" in values:
+            for key in ("loss", "lr", "tokens_per_s", "level"):
+                if key in values:
+                    self.tb.add_scalar(f"{kind}/{key}", values[key], values["global_step"])
+            if kind == "valid":
+                self.tb.add_scalar("valid/loss_vs_gflops", values["loss"], int(values["flops"] / 1e9))
+            self.tb.flush()
+
+    def progress(self, *, level: int, phase: int, num_phases: int, step: int, steps: int, global_step: int,
+                 total_steps: int, loss: float, lr: float, tokens_per_s: float, elapsed: float, eta: float) -> None:
+        if not self.enabled:
+            return
+        print(
+            f"[level {level} | phase {phase + 1}/{num_phases} | step {step}/{steps} | "
+            f"global {global_step}/{total_steps}] loss {loss:.4f} | lr {lr:.2e} | "
+            f"{tokens_per_s / 1000:.1f}k tok/s | elapsed {_hms(elapsed)} | eta {_hms(eta)}",
+            flush=True,
+        )
+
+    def say(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

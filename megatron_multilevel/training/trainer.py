@@ -1,0 +1,348 @@
+"""The training driver: from scratch (multilevel disabled) or a V-cycle, GPT or BERT.
+
+A run is a list of phases (``schedule.py``); between phases of different levels the model is
+coalesced or de-coalesced and interpolated (``parallel/transition.py``). Checkpoints are saved
+periodically and at the end of every phase, so that a killed run, transition included, resumes
+from the last one and follows the same trajectory.
+"""
+
+import gc
+import json
+import math
+import os
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from megatron_multilevel.config import RunConfig, config_to_dict
+from megatron_multilevel.data.datasets import Batch, build_data, micro_batches, sample_indices
+from megatron_multilevel.level_maps import LevelMap, make_level_map
+from megatron_multilevel.models import language_model_loss
+from megatron_multilevel.parallel.transition import coarsen, load_moments, prolong, snapshot_level
+from megatron_multilevel.training import checkpoint
+from megatron_multilevel.training.checkpoint import RunState
+from megatron_multilevel.training.engines import LevelEngines
+from megatron_multilevel.training.flops import flops_per_token
+from megatron_multilevel.training.metrics import Metrics
+from megatron_multilevel.training.schedule import Phase, build_phases, lr_factor
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (NaN loss); the last good checkpoint is kept."""
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.run_dir = cfg.training.output_dir
+        self.phases = build_phases(cfg)
+        self.levels = LevelEngines(cfg, dist.get_world_size())
+        self.rank = dist.get_rank()
+        self.total_steps = sum(p.steps for p in self.phases)
+        self.seq = cfg.data.seq_length
+        self.tokens_per_step = self.levels.global_batch * self.seq
+        self.snapshots = {}
+        self.engine = None
+
+    # ---------------------------------------------------------------- setup and resume
+    def _level_maps(self, sidecar: "dict | None") -> list[LevelMap]:
+        if sidecar is not None:
+            return [LevelMap.from_json(text) for text in sidecar["level_maps"]]
+        ml = self.cfg.multilevel
+        if not ml.enabled:
+            return []
+        return [
+            make_level_map(
+                self.levels.models[level], width=ml.coalesce_width, depth=ml.coalesce_depth,
+                width_pairing=ml.width_pairing, depth_pairing=ml.depth_pairing, depth_scaling=ml.depth_scaling,
+                tensor_model_parallel_size=max(self.levels.tp_sizes[level], self.levels.tp_sizes[level + 1]),
+            )
+            for level in range(ml.num_levels - 1)
+        ]
+
+    def _meta(self) -> dict:
+        return {"model": asdict(self.cfg.model), "level_maps": [m.to_json() for m in self.level_maps],
+                "config": config_to_dict(self.cfg)}
+
+    def _check_resumable(self, sidecar: dict) -> None:
+        ours = asdict(self.cfg.model)
+        if sidecar["model"] != ours:
+            diff = sorted(k for k in ours if sidecar["model"].get(k) != ours[k])
+            raise ValueError(
+                f"the checkpoint in {self.run_dir} is from a different model (model.{', model.'.join(diff)} "
+                f"differ); use another training.output_dir"
+            )
+        saved = [p["steps"] for p in sidecar["config_phases"]] if "config_phases" in sidecar else None
+        if saved is not None and saved != [p.steps for p in self.phases]:
+            raise ValueError(f"the checkpoint in {self.run_dir} follows a different schedule; use another training.output_dir")
+
+    def _start(self) -> RunState:
+        found = checkpoint.read_latest(self.run_dir)
+        sidecar = found[1] if found else None
+        if sidecar is not None:
+            self._check_resumable(sidecar)
+        self.level_maps = self._level_maps(sidecar)
+        if found is None:
+            state = RunState()
+            phase = self.phases[0]
+            self.engine = self._engine(self.levels.build_initial_model(phase.level), phase)
+            self.metrics = Metrics(self.run_dir, enabled=self.rank == 0)
+            if self.rank == 0:
+                with open(os.path.join(self.run_dir, "config.json"), "w") as f:
+                    json.dump(config_to_dict(self.cfg), f, indent=1)
+            return state
+        tag, sidecar = found
+        state = checkpoint.state_of(sidecar)
+        self.metrics = Metrics(self.run_dir, enabled=self.rank == 0, resume_global_step=state.global_step)
+        self.metrics.say(f"resuming from {tag} (phase {state.phase + 1}/{len(self.phases)}, step {state.step})")
+        for level, before_tag in sorted(state.open_levels.items()):
+            self.snapshots[level] = self._snapshot_from_checkpoint(level, before_tag)
+        phase = self.phases[state.phase]
+        self.engine = self._engine(self.levels.build_empty_model(phase.level), phase)
+        checkpoint.load(self.engine, self.run_dir, tag, restore_rng=sidecar["world_size"] == dist.get_world_size())
+        self.metrics.record("resume", global_step=state.global_step, phase=state.phase, tag=tag)
+        return state
+
+    def _snapshot_from_checkpoint(self, level: int, tag: str):
+        """Rebuild the pre-coalescing snapshot of ``level`` from its checkpoint."""
+        phase = next(p for p in self.phases if p.level == level and p.name == "before")
+        engine = self._engine(self.levels.build_empty_model(level), phase)
+        mapped = self.cfg.multilevel.optimizer_state == "map"
+        checkpoint.load(engine, self.run_dir, tag, module_only=not mapped, restore_rng=False)
+        snapshot = snapshot_level(
+            engine.module, self.level_maps[level], fine_layout=self.levels.layout(level),
+            coarse_layout=self.levels.layout(level + 1), optimizer=engine.optimizer, map_moments=mapped,
+            keep=self.cfg.multilevel.keep_fine, keep_dir=self._keep_dir(level),
+        )
+        del engine
+        gc.collect()
+        return snapshot
+
+    def _keep_dir(self, level: int) -> str:
+        return os.path.join(self.run_dir, "snapshots", f"level{level}")
+
+    def _engine(self, model, phase: Phase):
+        return self.levels.engine(model, phase.level, phase.lr.peak, lambda s: lr_factor(s, phase.steps, phase.lr))
+
+    # ---------------------------------------------------------------- training
+    def _batch(self, dataset, level: int, step: int, micro: int) -> Batch:
+        from megatron.core import parallel_state
+
+        indices = sample_indices(
+            step, micro, global_batch=self.levels.global_batch, micro_batch=self.levels.micro_batch(level),
+            dp_rank=parallel_state.get_data_parallel_rank(), accumulation=self.levels.accumulation,
+        )
+        return micro_batches(dataset, self.cfg.model.kind, indices).to(_device())
+
+    def _loss(self, level: int, batch: Batch):
+        return language_model_loss(
+            self.engine, self.levels.models[level], batch.tokens, batch.labels, batch.loss_mask,
+            padding_mask=batch.padding_mask, tokentype_ids=batch.tokentype_ids,
+        )
+
+    def _train_step(self, level: int, global_step: int) -> float:
+        from megatron.core import parallel_state
+
+        losses = []
+        for micro in range(self.levels.accumulation):
+            loss = self._loss(level, self._batch(self.data.train, level, global_step, micro))
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss.detach().float())
+        value = torch.stack(losses).mean()
+        dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+        value = value.item() / parallel_state.get_data_parallel_world_size()
+        if not math.isfinite(value):
+            raise TrainingError(
+                f"loss is {value} at global step {global_step + 1}; stopped, the last good checkpoint "
+                f"in {checkpoint.checkpoint_dir(self.run_dir)} is kept"
+            )
+        return value
+
+    @torch.no_grad()
+    def _evaluate(self, level: int) -> float:
+        from megatron.core import parallel_state
+
+        t0 = time.perf_counter()
+        self.engine.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=_device())
+        for b in range(self.cfg.training.eval_batches):
+            for micro in range(self.levels.accumulation):
+                batch = self._batch(self.data.valid, level, b, micro)
+                count = batch.loss_mask.sum()
+                total += torch.stack([self._loss(level, batch).double() * count, count.double()])
+        self.engine.train()
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        self.state.counters["eval_seconds"] += time.perf_counter() - t0
+        return (total[0] / total[1].clamp(min=1)).item()
+
+    def _record_valid(self, phase: Phase, loss: float) -> None:
+        c = self.state.counters
+        self.metrics.record(
+            "valid", level=phase.level, phase=phase.index, step=self.state.step, global_step=self.state.global_step,
+            loss=loss, tokens=c["tokens"], flops=c["flops"], seconds=c["train_seconds"] + c["transition_seconds"],
+        )
+        self.metrics.say(f"[level {phase.level} | phase {phase.index + 1}/{len(self.phases)} | "
+                         f"step {self.state.step}/{phase.steps}] validation loss {loss:.4f}")
+
+    def _save(self) -> None:
+        t0 = time.perf_counter()
+        meta = {**self._meta(), "config_phases": [{"level": p.level, "steps": p.steps} for p in self.phases]}
+        checkpoint.save(self.engine, self.run_dir, self.state, meta=meta)
+        checkpoint.rotate(self.run_dir, self.state, self.cfg.training.keep_checkpoints)
+        self.state.counters["checkpoint_seconds"] += time.perf_counter() - t0
+
+    def _train_phase(self, phase: Phase) -> None:
+        state, c, t = self.state, self.state.counters, self.cfg.training
+        level_cfg = self.levels.models[phase.level]
+        step_flops = flops_per_token(level_cfg, self.seq) * self.tokens_per_step
+        window, window_start = [], time.perf_counter()
+        while state.step < phase.steps:
+            t0 = time.perf_counter()
+            loss = self._train_step(phase.level, state.global_step)
+            c["train_seconds"] += time.perf_counter() - t0
+            state.step += 1
+            state.global_step += 1
+            c["tokens"] += self.tokens_per_step
+            c["flops"] += step_flops
+            window.append(loss)
+            if state.step % t.log_interval == 0 or state.step == phase.steps:
+                self._phase_row(phase)["train_loss"] = sum(window) / len(window)
+                elapsed = time.perf_counter() - window_start
+                lr = phase.lr.peak * lr_factor(state.step - 1, phase.steps, phase.lr)
+                tps = len(window) * self.tokens_per_step / max(elapsed, 1e-9)
+                self.metrics.record(
+                    "train", level=phase.level, phase=phase.index, step=state.step, global_step=state.global_step,
+                    loss=sum(window) / len(window), lr=lr, tokens=c["tokens"], flops=c["flops"],
+                    seconds=c["train_seconds"] + c["transition_seconds"], tokens_per_s=tps,
+                )
+                self.metrics.progress(
+                    level=phase.level, phase=phase.index, num_phases=len(self.phases), step=state.step,
+                    steps=phase.steps, global_step=state.global_step, total_steps=self.total_steps,
+                    loss=sum(window) / len(window), lr=lr, tokens_per_s=tps, elapsed=time.perf_counter() - self.started,
+                    eta=self._eta(),
+                )
+                window, window_start = [], time.perf_counter()
+            if state.step % t.eval_interval == 0 and state.step < phase.steps:
+                self._record_valid(phase, self._evaluate(phase.level))
+            if t.save_interval and state.global_step % t.save_interval == 0 and state.step < phase.steps:
+                self._save()
+
+    def _eta(self) -> float:
+        """Seconds left, from the FLOPs left and the FLOP rate so far."""
+        c = self.state.counters
+        done = c["flops"]
+        left = 0.0
+        for p in self.phases[self.state.phase:]:
+            steps = p.steps - (self.state.step if p.index == self.state.phase else 0)
+            left += steps * flops_per_token(self.levels.models[p.level], self.seq) * self.tokens_per_step
+        return left * c["train_seconds"] / done if done else 0.0
+
+    def _phase_row(self, phase: Phase) -> dict:
+        while len(self.state.phases) <= phase.index:
+            p = self.phases[len(self.state.phases)]
+            m = self.levels.models[p.level]
+            self.state.phases.append({
+                "phase": p.index, "name": p.name, "level": p.level, "steps": p.steps,
+                "model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
+                          "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_hidden_size},
+                "tokens": p.steps * self.tokens_per_step,
+                "flops": p.steps * flops_per_token(m, self.seq) * self.tokens_per_step,
+                "train_seconds_start": self.state.counters["train_seconds"],
+                "transition_seconds": 0.0, "train_loss": None, "valid_loss": None,
+            })
+        return self.state.phases[phase.index]
+
+    # ---------------------------------------------------------------- transitions
+    def _transition(self, phase: Phase, nxt: Phase, end_tag: str) -> None:
+        ml = self.cfg.multilevel
+        mapped = ml.optimizer_state == "map"
+        t0 = time.perf_counter()
+        old = self.engine
+        ds = self.levels.ds_config(nxt.level, nxt.lr.peak)
+        if nxt.level > phase.level:
+            staged, before = coarsen(
+                old.module, self.level_maps[phase.level], fine_layout=self.levels.layout(phase.level),
+                coarse_layout=self.levels.layout(nxt.level), ds_config=ds, optimizer=old.optimizer,
+                map_moments=mapped, keep=ml.keep_fine, keep_dir=self._keep_dir(phase.level),
+            )
+            self.snapshots[phase.level] = before
+            self.state.open_levels[phase.level] = end_tag
+            what = "coalesced"
+        else:
+            staged = prolong(
+                old.module, self.snapshots.pop(nxt.level), self.level_maps[nxt.level], ml.alpha_of(nxt.level),
+                coarse_layout=self.levels.layout(phase.level), fine_layout=self.levels.layout(nxt.level),
+                ds_config=ds, optimizer=old.optimizer, map_moments=mapped,
+                perturbation_std=ml.perturbation_std, seed=self.cfg.training.seed + nxt.index,
+            )
+            self.state.open_levels.pop(nxt.level, None)
+            what = f"de-coalesced and interpolated (alpha {ml.alpha_of(nxt.level)})"
+        self.engine = old = None
+        gc.collect()
+        self.engine = self._engine(staged.model, nxt)
+        load_moments(self.engine, staged)
+        seconds = time.perf_counter() - t0
+        self.state.counters["transition_seconds"] += seconds
+        self._phase_row(nxt)["transition_seconds"] += seconds
+        m = self.levels.models[nxt.level]
+        self.metrics.say(
+            f"level {phase.level} -> {nxt.level}: {what} in {seconds:.2f} s; now {m.num_layers} layers, "
+            f"hidden {m.hidden_size}, {m.num_attention_heads} heads"
+        )
+
+    # ---------------------------------------------------------------- the run
+    def run(self) -> dict:
+        self.started = time.perf_counter()
+        self.state = self._start()
+        train_samples = self.total_steps * self.levels.global_batch
+        valid_samples = self.cfg.training.eval_batches * self.levels.global_batch
+        self.data = build_data(self.cfg, train_samples=train_samples, valid_samples=valid_samples)
+        self.metrics.say(
+            f"{len(self.phases)} phase(s), {self.total_steps} steps of {self.levels.global_batch} x {self.seq} "
+            f"tokens on {dist.get_world_size()} rank(s); levels: "
+            + ", ".join(f"{m.num_layers}x{m.hidden_size}" for m in self.levels.models)
+        )
+        state = self.state
+        while state.phase < len(self.phases):
+            phase = self.phases[state.phase]
+            row = self._phase_row(phase)
+            if row["valid_loss"] is None:  # not finished (a resumed run may stand at its end)
+                if state.step == 0 and phase.name == "after":
+                    self._record_valid(phase, self._evaluate(phase.level))
+                self._train_phase(phase)
+                row["valid_loss"] = self._evaluate(phase.level)
+                row["train_seconds"] = state.counters["train_seconds"] - row["train_seconds_start"]
+                self._record_valid(phase, row["valid_loss"])
+                self._save()
+            end_tag = checkpoint.tag_of(state.phase, state.step)
+            if state.phase + 1 < len(self.phases):
+                self._transition(phase, self.phases[state.phase + 1], end_tag)
+            state.phase += 1
+            state.step = 0
+        return self._summary()
+
+    def _summary(self) -> dict:
+        c = self.state.counters
+        phases = [{k: v for k, v in row.items() if k != "train_seconds_start"} for row in self.state.phases]
+        summary = {
+            "phases": phases,
+            "totals": {**c, "wall_seconds": c["train_seconds"] + c["transition_seconds"], "steps": self.total_steps,
+                       "final_valid_loss": self.state.phases[-1]["valid_loss"]},
+            "multilevel": self.cfg.multilevel.enabled,
+        }
+        if self.rank == 0:
+            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+            self.metrics.say(
+                f"done: final validation loss {summary['totals']['final_valid_loss']:.4f}, "
+                f"{c['flops'] / 1e12:.3f} TFLOPs, {summary['totals']['wall_seconds']:.1f} s training + transitions"
+            )
+        self.metrics.close()
+        return summary
