@@ -6,10 +6,14 @@ import pytest
 
 from megatron_multilevel.config import (
     DEEPSPEED_KEYS,
+    DataConfig,
+    LevelConfig,
+    LRConfig,
     ModelConfig,
     MultilevelConfig,
     ParallelConfig,
     RunConfig,
+    TrainingConfig,
     config_to_dict,
     load_config,
 )
@@ -18,7 +22,7 @@ CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.json"))
 
 # The accepted keys, frozen: adding or renaming one is a deliberate change to this list.
 ACCEPTED = {
-    RunConfig: ["model", "multilevel", "parallel"],
+    RunConfig: ["data", "model", "multilevel", "parallel", "training"],
     ModelConfig: [
         "activation", "add_bias_linear", "add_binary_head", "attention_dropout", "ffn_hidden_size",
         "hidden_dropout", "hidden_size", "init_method_std", "kind", "kv_channels",
@@ -28,7 +32,20 @@ ACCEPTED = {
     ],
     MultilevelConfig: [
         "alpha", "coalesce_depth", "coalesce_width", "depth_pairing", "depth_scaling", "enabled",
-        "num_levels", "width_pairing",
+        "keep_fine", "levels", "num_levels", "optimizer_state", "perturbation_std", "width_pairing",
+    ],
+    LevelConfig: [
+        "alpha", "deepspeed", "lr_after", "lr_before", "steps_after", "steps_before",
+        "tensor_model_parallel_size",
+    ],
+    LRConfig: ["decay", "min_ratio", "peak", "warmup_steps"],
+    DataConfig: [
+        "cache_dir", "masking_probability", "num_workers", "prefix", "seq_length",
+        "short_sequence_probability", "split", "tokenizer_model",
+    ],
+    TrainingConfig: [
+        "eval_batches", "eval_interval", "keep_checkpoints", "log_interval", "lr", "output_dir",
+        "save_interval", "seed", "train_steps",
     ],
     ParallelConfig: ["tensor_model_parallel_size"],
 }
@@ -36,7 +53,8 @@ ACCEPTED = {
 
 @pytest.mark.parametrize("cls", ACCEPTED, ids=lambda c: c.__name__)
 def test_accepted_keys_are_frozen(cls):
-    names = sorted(f.name for f in dataclasses.fields(cls) if f.name != "deepspeed")
+    # RunConfig.deepspeed holds the file's DeepSpeed keys, not a key of its own.
+    names = sorted(f.name for f in dataclasses.fields(cls) if not (cls is RunConfig and f.name == "deepspeed"))
     assert names == sorted(ACCEPTED[cls])
 
 
@@ -86,6 +104,17 @@ def test_unknown_top_level_key_lists_valid_keys():
         ({"multilevel": {"num_levels": 1}}, r"multilevel.num_levels must be >= 2"),
         ({"multilevel": {"width_pairing": "random"}}, r"valid choices are \['halves', 'adjacent'\]"),
         ({"multilevel": {"coalesce_width": False, "coalesce_depth": False}}, r"cannot both be false"),
+        ({"multilevel": {"enabled": True, "levels": [{}]}}, r"multilevel.levels has 1 entries; multilevel.num_levels = 2"),
+        ({"multilevel": {"enabled": True, "levels": [{"steps_before": 1}, {"steps_before": 0}]}},
+         r"levels\[-1\].steps_before must be positive"),
+        ({"multilevel": {"levels": [{"deepspeed": {"zero_optimisation": {}}}]}}, r"unknown DeepSpeed key\(s\) \['zero_optimisation'\]"),
+        ({"multilevel": {"enabled": True, "num_levels": 3, "levels": [{"steps_before": 1}] * 3}, "model": {"num_layers": 6}},
+         r"model.num_layers = 3 cannot be halved"),
+        ({"data": {"seq_length": 256}}, r"data.seq_length = 256 exceeds model.max_sequence_length = 128"),
+        ({"data": {"prefix": "x"}}, r"data.prefix and data.tokenizer_model go together"),
+        ({"data": {"split": "98,0,2"}}, r"needs a validation share"),
+        ({"training": {"lr": {"decay": "step"}}}, r"valid choices are \['cosine', 'linear', 'constant'\]"),
+        ({"scheduler": {"type": "WarmupLR"}}, r"DeepSpeed's 'scheduler' is not used"),
         ({"parallel": {"tensor_model_parallel_size": 3}}, r"tensor_model_parallel_size = 3 does not divide model.num_attention_heads"),
         ({"model": []}, r"config.model: expected an object"),
     ],

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megatron_multilevel.data.preprocess import prepare
+from megatron_multilevel.data.tokenizer import TRAINING_VERSION
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
@@ -46,7 +47,7 @@ def default_corpus(cache_dir: str, *, vocab_size: int, kind: str) -> tuple[str, 
     Safe to call from several processes at once: one prepares, the others wait for it.
     """
     version = f"py{sys.version_info.major}{sys.version_info.minor}"
-    root = Path(cache_dir) / f"stdlib-{version}-v{vocab_size}"
+    root = Path(cache_dir) / f"stdlib-{version}-v{vocab_size}-t{TRAINING_VERSION}"
     tokenizer_model = root / "tokenizer.model"
     prefix = root / ("gpt_document" if kind == "gpt" else "bert_sentence")
     with _exclusive(root.with_suffix(".lock")):

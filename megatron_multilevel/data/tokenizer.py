@@ -18,6 +18,8 @@ from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 # Fixed ids of the special pieces, the same in every tokenizer this project trains.
 UNK, BOS, EOS, PAD = 0, 1, 2, 3
 SPECIAL_PIECES = ("<cls>", "<sep>", "<mask>")  # ids 4, 5, 6
+NEWLINE = "\n"  # id 7: a piece of its own, so that code and text keep their lines
+TRAINING_VERSION = 2  # changes whenever the training options below change (cache keys use it)
 
 
 def train_sentencepiece(sentences: Iterable[str], model_path: str, *, vocab_size: int, seed_sentences: int = 2_000_000) -> None:
@@ -31,7 +33,8 @@ def train_sentencepiece(sentences: Iterable[str], model_path: str, *, vocab_size
         character_coverage=1.0,
         byte_fallback=True,  # no unknown characters: every byte has a piece
         unk_id=UNK, bos_id=BOS, eos_id=EOS, pad_id=PAD,
-        user_defined_symbols=list(SPECIAL_PIECES),
+        user_defined_symbols=[*SPECIAL_PIECES, NEWLINE],
+        normalization_rule_name="identity",  # no NFKC: decoding gives back the exact text
         input_sentence_size=seed_sentences,
         shuffle_input_sentence=True,
         max_sentence_length=16384,

@@ -39,6 +39,8 @@ class RunState:
     })
     phases: list = field(default_factory=list)
     """One summary row per finished phase."""
+    log_window: list = field(default_factory=list)
+    """Training losses since the last logged step (a resumed run logs the same means)."""
 
 
 def tag_of(phase: int, step: int) -> str:

@@ -60,13 +60,17 @@ class Metrics:
             self.tb.flush()
 
     def progress(self, *, level: int, phase: int, num_phases: int, step: int, steps: int, global_step: int,
-                 total_steps: int, loss: float, lr: float, tokens_per_s: float, elapsed: float, eta: float) -> None:
+                 total_steps: int, loss: float, lr: float, tokens_per_s: float, elapsed: float, eta: float,
+                 compute: float) -> None:
+        """One console line; ``compute`` is the FLOPs so far over what the fine model alone would
+        have spent on the same tokens."""
         if not self.enabled:
             return
         print(
             f"[level {level} | phase {phase + 1}/{num_phases} | step {step}/{steps} | "
             f"global {global_step}/{total_steps}] loss {loss:.4f} | lr {lr:.2e} | "
-            f"{tokens_per_s / 1000:.1f}k tok/s | elapsed {_hms(elapsed)} | eta {_hms(eta)}",
+            f"{tokens_per_s / 1000:.1f}k tok/s | compute {compute:.0%} of fine-only | "
+            f"elapsed {_hms(elapsed)} | eta {_hms(eta)}",
             flush=True,
         )
 

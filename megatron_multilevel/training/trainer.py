@@ -37,6 +37,13 @@ def _device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _crash_point(where: str) -> None:
+    """Fault injection for the crash-safety tests: ``MEGATRON_MULTILEVEL_CRASH_AT=<where>`` ends
+    the process right there with no cleanup at all, as a SIGKILL would."""
+    if os.environ.get("MEGATRON_MULTILEVEL_CRASH_AT") == where:
+        os._exit(137)
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -202,7 +209,7 @@ class Trainer:
         state, c, t = self.state, self.state.counters, self.cfg.training
         level_cfg = self.levels.models[phase.level]
         step_flops = flops_per_token(level_cfg, self.seq) * self.tokens_per_step
-        window, window_start = [], time.perf_counter()
+        window, window_start, timed = state.log_window, time.perf_counter(), 0
         while state.step < phase.steps:
             t0 = time.perf_counter()
             loss = self._train_step(phase.level, state.global_step)
@@ -211,12 +218,14 @@ class Trainer:
             state.global_step += 1
             c["tokens"] += self.tokens_per_step
             c["flops"] += step_flops
+            _crash_point(f"step{state.global_step}")
             window.append(loss)
+            timed += 1
             if state.step % t.log_interval == 0 or state.step == phase.steps:
                 self._phase_row(phase)["train_loss"] = sum(window) / len(window)
                 elapsed = time.perf_counter() - window_start
                 lr = phase.lr.peak * lr_factor(state.step - 1, phase.steps, phase.lr)
-                tps = len(window) * self.tokens_per_step / max(elapsed, 1e-9)
+                tps = timed * self.tokens_per_step / max(elapsed, 1e-9)
                 self.metrics.record(
                     "train", level=phase.level, phase=phase.index, step=state.step, global_step=state.global_step,
                     loss=sum(window) / len(window), lr=lr, tokens=c["tokens"], flops=c["flops"],
@@ -226,13 +235,18 @@ class Trainer:
                     level=phase.level, phase=phase.index, num_phases=len(self.phases), step=state.step,
                     steps=phase.steps, global_step=state.global_step, total_steps=self.total_steps,
                     loss=sum(window) / len(window), lr=lr, tokens_per_s=tps, elapsed=time.perf_counter() - self.started,
-                    eta=self._eta(),
+                    eta=self._eta(), compute=c["flops"] / self._fine_only_flops(c["tokens"]),
                 )
-                window, window_start = [], time.perf_counter()
+                window.clear()
+                window_start, timed = time.perf_counter(), 0
             if state.step % t.eval_interval == 0 and state.step < phase.steps:
                 self._record_valid(phase, self._evaluate(phase.level))
             if t.save_interval and state.global_step % t.save_interval == 0 and state.step < phase.steps:
                 self._save()
+
+    def _fine_only_flops(self, tokens: int) -> float:
+        """FLOPs the fine model alone would spend on ``tokens``."""
+        return flops_per_token(self.levels.models[0], self.seq) * tokens
 
     def _eta(self) -> float:
         """Seconds left, from the FLOPs left and the FLOP rate so far."""
@@ -284,6 +298,7 @@ class Trainer:
             )
             self.state.open_levels.pop(nxt.level, None)
             what = f"de-coalesced and interpolated (alpha {ml.alpha_of(nxt.level)})"
+        _crash_point(f"transition{nxt.index}")
         self.engine = old = None
         gc.collect()
         self.engine = self._engine(staged.model, nxt)
@@ -342,7 +357,8 @@ class Trainer:
                 json.dump(summary, f, indent=1)
             self.metrics.say(
                 f"done: final validation loss {summary['totals']['final_valid_loss']:.4f}, "
-                f"{c['flops'] / 1e12:.3f} TFLOPs, {summary['totals']['wall_seconds']:.1f} s training + transitions"
+                f"{c['flops'] / 1e12:.3f} TFLOPs ({c['flops'] / self._fine_only_flops(c['tokens']):.0%} of the fine "
+                f"model alone on the same tokens), {summary['totals']['wall_seconds']:.1f} s training + transitions"
             )
         self.metrics.close()
         return summary

@@ -1,0 +1,104 @@
+"""Run the real launcher (``launch/pretrain_vcycle.sh``) on a small corpus the tests make."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER = ROOT / "launch" / "pretrain_vcycle.sh"
+
+WORDS = (
+    "the a model layer level coarse fine width depth head token train loss step grid cycle "
+    "operator average copy split sum weight bias norm embedding vocabulary batch gradient moment "
+    "shard rank tensor parallel data pipeline checkpoint resume value function attention query key"
+).split()
+
+
+def make_corpus(directory: Path, *, documents: int = 120, seed: int = 0) -> list[Path]:
+    """A deterministic corpus: text files and one JSONL file of made-up sentences."""
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def document() -> str:
+        lines = []
+        for _ in range(rng.randint(8, 24)):
+            words = [rng.choice(WORDS) for _ in range(rng.randint(4, 14))]
+            lines.append(" ".join(words).capitalize() + rng.choice([".", "!", "?", ","]))
+        return "\n".join(lines)
+
+    paths = []
+    for i in range(documents // 2):
+        path = directory / f"doc{i:03d}.txt"
+        path.write_text(document())
+        paths.append(path)
+    jsonl = directory / "more.jsonl"
+    with open(jsonl, "w") as f:
+        for _ in range(documents - documents // 2):
+            f.write(json.dumps({"text": document()}) + "\n")
+    paths.append(jsonl)
+    return paths
+
+
+def preprocess(inputs, prefix: Path, *, vocab_size: int = 512, split_sentences: bool = False,
+               tokenizer_model: "str | None" = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", *map(str, inputs),
+           "--output-prefix", str(prefix), "--vocab-size", str(vocab_size)]
+    if split_sentences:
+        cmd.append("--split-sentences")
+    if tokenizer_model:
+        cmd += ["--tokenizer-model", tokenizer_model]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def small_config(path: Path, *, kind: str, prefix: str, tokenizer_model: str, output_dir: Path, **blocks) -> Path:
+    """A tiny run config (4 layers, hidden 64) on the test corpus; ``blocks`` update its blocks."""
+    config = {
+        "train_batch_size": 8,  # the same global batch on any number of ranks
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01, "torch_adam": True}},
+        "zero_optimization": {"stage": 0},
+        "model": {"kind": kind, "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                  "vocab_size": 512, "max_sequence_length": 32},
+        "data": {"prefix": prefix, "tokenizer_model": tokenizer_model, "seq_length": 32, "split": "90,10,0",
+                 "cache_dir": str(output_dir.parent / "cache")},
+        "training": {"output_dir": str(output_dir), "log_interval": 2, "eval_interval": 4, "eval_batches": 2,
+                     "save_interval": 3, "seed": 5},
+        "multilevel": {
+            # Adjacent pairing is shard-local at any TP size, so every layout trains the same model.
+            "enabled": True, "num_levels": 2, "alpha": 0.5, "width_pairing": "adjacent",
+            "levels": [
+                {"steps_before": 3, "lr_before": {"peak": 2e-3, "warmup_steps": 2},
+                 "steps_after": 5, "lr_after": {"peak": 2e-3, "warmup_steps": 1}},
+                {"steps_before": 5, "lr_before": {"peak": 4e-3}},
+            ],
+        },
+    }
+    for block, values in blocks.items():
+        if isinstance(values, dict) and isinstance(config.get(block), dict):
+            config[block] = {**config[block], **values}
+        else:
+            config[block] = values
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
+def launch(*args, env: "dict | None" = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``launch/pretrain_vcycle.sh ARGS`` with this interpreter; output captured."""
+    full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
+    full_env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    return subprocess.run(["bash", str(LAUNCHER), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=ROOT)
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    with open(run_dir / "metrics.jsonl") as f:
+        return [r for r in map(json.loads, f) if r["type"] == kind]
+
+
+def losses(run_dir: Path) -> list[tuple]:
+    """(type, global step, loss) of every train and valid record."""
+    with open(run_dir / "metrics.jsonl") as f:
+        return [(r["type"], r["global_step"], r["loss"]) for r in map(json.loads, f) if r["type"] in ("train", "valid")]

@@ -1,0 +1,213 @@
+"""End to end: data preparation, the real launcher on 1 and 2 processes, resume after a kill,
+two nodes on localhost, and bad input failing fast."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch_helpers import ROOT, launch, losses, make_corpus, preprocess, records, small_config
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The test corpus prepared as GPT and BERT datasets with one tokenizer."""
+    tmp = tmp_path_factory.mktemp("data")
+    inputs = make_corpus(tmp / "corpus")
+    gpt = preprocess(inputs, tmp / "gpt")
+    assert gpt.returncode == 0, gpt.stderr
+    bert = preprocess(inputs, tmp / "bert", split_sentences=True, tokenizer_model=str(tmp / "gpt.model"))
+    assert bert.returncode == 0, bert.stderr
+    return {"gpt": str(tmp / "gpt"), "bert": str(tmp / "bert"), "model": str(tmp / "gpt.model"), "inputs": inputs}
+
+
+def _config(tmp_path, corpus, name, kind="gpt", **blocks):
+    return small_config(tmp_path / f"{name}.json", kind=kind, prefix=corpus[kind], tokenizer_model=corpus["model"],
+                        output_dir=tmp_path / name, **blocks)
+
+
+def _ok(result):
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus):
+    """An uninterrupted one-process GPT V-cycle: what every other layout and resume must match."""
+    tmp = tmp_path_factory.mktemp("reference")
+    result = _ok(launch(_config(tmp, corpus, "run")))
+    return {"dir": tmp / "run", "stdout": result.stdout}
+
+
+def test_data_pipeline(corpus, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_multilevel.data.tokenizer import SentencePieceTokenizer
+
+    tok = SentencePieceTokenizer(corpus["model"])
+    assert tok.vocab_size == 512 and len({tok.eod, tok.pad, tok.cls, tok.sep, tok.mask}) == 5
+    gpt, bert = IndexedDataset(corpus["gpt"]), IndexedDataset(corpus["bert"])
+    assert len(gpt.document_indices) - 1 == 120  # one document per text file and JSONL line
+    assert all(gpt[i][-1] == tok.eod for i in range(len(gpt)))  # GPT: documents end in EOD
+    assert len(bert) > len(bert.document_indices) - 1  # BERT: several sentences per document
+    text = corpus["inputs"][0].read_text()
+    assert tok.detokenize(list(gpt[0][:-1])) == text
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"txt": "no key"}\n')
+    result = preprocess([bad], tmp_path / "x", tokenizer_model=corpus["model"])
+    assert result.returncode == 1 and "bad.jsonl:2: no 'text' key" in result.stderr
+    result = preprocess([tmp_path / "missing.txt"], tmp_path / "x")
+    assert result.returncode == 2 and "no input matches" in result.stderr
+
+
+def test_one_process_v_cycle(reference):
+    run, out = reference["dir"], reference["stdout"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert [p["level"] for p in summary["phases"]] == [0, 1, 0]
+    assert [p["model"]["hidden_size"] for p in summary["phases"]] == [64, 32, 64]
+    assert [p["steps"] for p in summary["phases"]] == [3, 5, 5]
+    totals = summary["totals"]
+    fine_only = summary["phases"][0]["flops"] / 3 * 13
+    assert totals["flops"] == pytest.approx(sum(p["flops"] for p in summary["phases"]))
+    assert totals["flops"] < fine_only  # the coarse steps are cheaper
+    assert totals["transition_seconds"] > 0 and totals["wall_seconds"] > 0
+    valid = records(run, "valid")
+    assert valid[-1]["loss"] < valid[0]["loss"] - 0.3  # it learns
+    for shown in ("level 0 -> 1: coalesced", "level 1 -> 0: de-coalesced", "tok/s", "eta", "[level 1 | phase 2/3"):
+        assert shown in out
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run / "checkpoints" / "latest").read_text().startswith("phase02")
+
+
+def _crash_and_resume(tmp_path, corpus, crash_at):
+    config = _config(tmp_path, corpus, "run")
+    crashed = launch(config, env={"MEGATRON_MULTILEVEL_CRASH_AT": crash_at})
+    assert crashed.returncode != 0
+    resumed = _ok(launch(config))
+    assert "resuming from" in resumed.stdout
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("crash_at", ["step7", "transition2"], ids=["mid-phase", "during-prolong"])
+def test_resume_after_kill_follows_the_same_trajectory(reference, corpus, tmp_path, crash_at):
+    run = _crash_and_resume(tmp_path, corpus, crash_at)
+    _assert_close_to_reference(run, reference, 1e-6)
+    assert json.loads((run / "summary.json").read_text())["phases"][-1]["valid_loss"] == pytest.approx(
+        json.loads((reference["dir"] / "summary.json").read_text())["phases"][-1]["valid_loss"], abs=1e-6
+    )
+
+
+def _assert_close_to_reference(run, reference, tol):
+    ours, ref = losses(run), losses(reference["dir"])
+    assert [r[:2] for r in ours] == [r[:2] for r in ref]
+    for a, b in zip(ours, ref):
+        assert a[2] == pytest.approx(b[2], abs=tol), (a, b)
+
+
+def test_two_processes_with_changing_layouts(reference, corpus, tmp_path):
+    """Level 0 at TP=2 with ZeRO-1, level 1 at DP=2 with ZeRO-3: the same run as one process."""
+    levels = json.loads(_config(tmp_path, corpus, "tmp").read_text())["multilevel"]["levels"]
+    levels[0].update(tensor_model_parallel_size=2, deepspeed={"zero_optimization": {"stage": 1}})
+    levels[1].update(tensor_model_parallel_size=1, deepspeed={"zero_optimization": {"stage": 3}})
+    config = _config(tmp_path, corpus, "run", multilevel={"levels": levels, "keep_fine": "disk"})
+    _ok(launch(config, "--num_procs", 2))
+    _assert_close_to_reference(tmp_path / "run", reference, 2e-4)
+    assert list((tmp_path / "run" / "snapshots" / "level0" / "params").glob("*.rank1.pt"))
+
+
+def test_bert_two_processes_tensor_parallel(corpus, tmp_path):
+    config = _config(tmp_path, corpus, "run", kind="bert", parallel={"tensor_model_parallel_size": 2},
+                     multilevel={"optimizer_state": "map", "perturbation_std": 0.01})
+    _ok(launch(config, "--num_procs", 2))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [p["level"] for p in summary["phases"]] == [0, 1, 0]
+    valid = records(tmp_path / "run", "valid")
+    assert valid[-1]["loss"] < valid[0]["loss"]
+
+
+def test_two_nodes_on_localhost(reference, corpus, tmp_path):
+    """Two "nodes" of one process each, started the DeepSpeed way without ssh."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    config = _config(tmp_path, corpus, "run")
+    port = str(29700 + os.getpid() % 200)
+    common = ["--hostfile", hostfile, "--no_ssh", "--master_addr", "127.0.0.1", "--master_port", port]
+    env = {**os.environ, "PYTHON": sys.executable}
+    nodes = [
+        subprocess.Popen(["bash", str(ROOT / "launch" / "pretrain_vcycle.sh"), str(config), *map(str, common),
+                          "--node_rank", str(rank)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         cwd=ROOT, env=env)
+        for rank in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "on 2 rank(s)" in outputs[0]
+    _assert_close_to_reference(tmp_path / "run", reference, 2e-4)
+
+
+def test_default_command_runs_the_embedded_corpus(tmp_path):
+    """The README's main job (shortened): no config, the embedded default corpus."""
+    result = _ok(launch(
+        f"training.output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}",
+        "multilevel.levels.0.steps_before=2", "multilevel.levels.1.steps_before=2",
+        "multilevel.levels.0.steps_after=2", "training.eval_batches=1",
+    ))
+    assert "preparing the embedded corpus" in result.stdout and "done: final validation loss" in result.stdout
+    assert (tmp_path / "cache").glob("stdlib-*/tokenizer.model")
+
+
+def _pretrain(config, *overrides):
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(29500 + os.getpid() % 300)}
+    return subprocess.run([sys.executable, "-m", "megatron_multilevel.pretrain", "--config", str(config),
+                           *overrides], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.hidden_sise=64"], "unknown key(s) ['hidden_sise']"),
+        (["model.num_layers=3"], "model.num_layers = 3 cannot be halved"),
+        (["data.prefix=/nonexistent/corpus"], "'/nonexistent/corpus.bin' does not exist"),
+        (["multilevel.levels.1.tensor_model_parallel_size=3"], "does not divide"),
+    ],
+)
+def test_bad_input_fails_fast(corpus, tmp_path, overrides, message):
+    result = _pretrain(_config(tmp_path, corpus, "run"), *overrides)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_corrupt_dataset_and_other_model(reference, corpus, tmp_path):
+    bad = tmp_path / "bad"
+    (tmp_path / "bad.bin").write_bytes(b"\0" * 64)
+    (tmp_path / "bad.idx").write_bytes(b"not an index")
+    result = _pretrain(_config(tmp_path, corpus, "run"), f"data.prefix={bad}")
+    assert result.returncode == 1 and "is not a valid Megatron indexed dataset" in result.stderr
+    # resuming a run directory with a different model is refused
+    result = _pretrain(_config(tmp_path, corpus, "run"), f"training.output_dir={reference['dir']}",
+                       "model.hidden_size=128")
+    assert result.returncode == 1 and "is from a different model (" in result.stderr
+    assert "model.hidden_size" in result.stderr
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path):
+    config = _config(tmp_path, corpus, "run", training={
+        "output_dir": str(tmp_path / "run"), "save_interval": 1, "log_interval": 1, "eval_interval": 100,
+        "eval_batches": 1})
+    levels = json.loads(config.read_text())["multilevel"]["levels"]
+    levels[1]["lr_before"] = {"peak": 1e30}  # the coarse level blows up
+    config = _config(tmp_path, corpus, "run", training=json.loads(config.read_text())["training"],
+                     multilevel={"levels": levels})
+    result = _pretrain(config)
+    assert result.returncode == 1
+    assert "loss is nan" in result.stderr or "loss is inf" in result.stderr, result.stderr[-2000:]
+    latest = (tmp_path / "run" / "checkpoints" / "latest").read_text()
+    sidecar = json.loads((tmp_path / "run" / "checkpoints" / latest / "multilevel.json").read_text())
+    train = records(tmp_path / "run", "train")
+    assert all(r["loss"] == r["loss"] and abs(r["loss"]) < 1e6 for r in train)  # only finite losses logged
+    assert sidecar["state"]["global_step"] <= train[-1]["global_step"]
