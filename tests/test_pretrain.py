@@ -80,6 +80,11 @@ def test_one_process_v_cycle(reference):
         assert shown in out
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert (run / "checkpoints" / "latest").read_text().startswith("phase02")
+    plot = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(run)], capture_output=True,
+                          text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    for name in ("steps", "flops", "seconds"):
+        assert (run / "plots" / f"loss_vs_{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _crash_and_resume(tmp_path, corpus, crash_at):

@@ -1,0 +1,58 @@
+"""PNG plots of training metrics (``metrics.jsonl`` records), for runs and benchmarks."""
+
+import os
+
+X_AXES = {
+    "global_step": ("steps", "global step"),
+    "flops": ("flops", "training FLOPs"),
+    "seconds": ("seconds", "wall-clock seconds (training + transitions)"),
+}
+
+
+def plot_runs(runs: dict[str, list[dict]], out_dir: str, *, axes=("global_step", "flops", "seconds"),
+              title: str = "") -> list[str]:
+    """One PNG per x axis with every run's training and validation loss; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for axis in axes:
+        name, label = X_AXES[axis]
+        fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+        for i, (run, records) in enumerate(runs.items()):
+            color = f"C{i % 10}"
+            train = [r for r in records if r.get("type") == "train"]
+            valid = [r for r in records if r.get("type") == "valid"]
+            if train:
+                ax.plot([r[axis] for r in train], [r["loss"] for r in train], color=color, alpha=0.35, lw=1)
+            if valid:
+                ax.plot([r[axis] for r in valid], [r["loss"] for r in valid], "o-", color=color, ms=3, lw=1.5,
+                        label=f"{run} (validation)")
+            if len(runs) == 1:
+                _shade_levels(ax, train, axis)
+        ax.set_xlabel(label)
+        ax.set_ylabel("loss")
+        if title:
+            ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        path = os.path.join(out_dir, f"loss_vs_{name}.png")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _shade_levels(ax, train: list[dict], axis: str) -> None:
+    """Shade the stretches trained at coarser levels (darker for coarser)."""
+    start = None
+    for prev, rec in zip([None] + train, train + [None]):
+        level = rec["level"] if rec else None
+        if prev is None or level != prev["level"]:
+            if prev is not None and prev["level"] > 0 and start is not None:
+                ax.axvspan(start, prev[axis], color="grey", alpha=0.12 * prev["level"], lw=0)
+            start = rec[axis] if rec else None
