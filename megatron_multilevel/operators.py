@@ -65,38 +65,36 @@ def _copy_partners(t: torch.Tensor, dim: int, g: Grouping) -> torch.Tensor:
     return t.index_select(dim, g.index)
 
 
-def coalesce_tensor(name: str, t: torch.Tensor, rule: ParamRule, level_map: LevelMap) -> torch.Tensor:
-    """Width-coalesce one tensor (``F_out W C_in``); a copy where width is not coalesced."""
+def _map_width(name: str, t: torch.Tensor, rule: ParamRule, level_map: LevelMap, *, coarsen: bool) -> torch.Tensor:
     out = t.to(_compute_dtype(t))
-    if level_map.width:
-        for dim, d in enumerate(rule.dims):
-            if d.side is None:
-                continue
-            g = level_map.unit_groupings[d.kind]
-            _check_size(name, out, dim, g.num_fine, d.kind)
+    if not level_map.width:
+        return t.clone()
+    for dim, d in enumerate(rule.dims):
+        if d.side is None:
+            continue
+        g = level_map.unit_groupings[d.kind]
+        _check_size(name, out, dim, g.num_fine if coarsen else g.num_coarse, d.kind)
+        if coarsen:  # average on the output side, sum on the input side
             out = _sum_partners(out, dim, g)
             if d.side == "out":
                 out.mul_(0.5)
-        if rule.tied_output_norm:
-            out = out * 2.0
-    return out.to(t.dtype) if out is not t else t.clone()
+        else:  # copy on the output side, split evenly on the input side (halved before copying)
+            if d.side == "in":
+                out = out * 0.5
+            out = _copy_partners(out, dim, g)
+    if rule.tied_output_norm:
+        out = out * (2.0 if coarsen else 0.5)
+    return out.to(t.dtype)
+
+
+def coalesce_tensor(name: str, t: torch.Tensor, rule: ParamRule, level_map: LevelMap) -> torch.Tensor:
+    """Width-coalesce one tensor (``F_out W C_in``); a copy where width is not coalesced."""
+    return _map_width(name, t, rule, level_map, coarsen=True)
 
 
 def decoalesce_tensor(name: str, t: torch.Tensor, rule: ParamRule, level_map: LevelMap) -> torch.Tensor:
     """Width-de-coalesce one tensor (``C_out W F_in``); a copy where width is not coalesced."""
-    out = t.to(_compute_dtype(t))
-    if level_map.width:
-        for dim, d in enumerate(rule.dims):
-            if d.side is None:
-                continue
-            g = level_map.unit_groupings[d.kind]
-            _check_size(name, out, dim, g.num_coarse, d.kind)
-            if d.side == "in":  # split evenly: halve before copying (half the work, same bits)
-                out = out * 0.5
-            out = _copy_partners(out, dim, g)
-        if rule.tied_output_norm:
-            out = out * 0.5
-    return out.to(t.dtype) if out is not t else t.clone()
+    return _map_width(name, t, rule, level_map, coarsen=False)
 
 
 def _residual_scale(level_map: LevelMap, rule: ParamRule) -> float:

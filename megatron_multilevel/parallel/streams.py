@@ -112,19 +112,24 @@ def _is_zero3(p) -> bool:
     return hasattr(p, "ds_id")
 
 
-class ModelReader:
-    """Reads a live Megatron model (plain or inside a DeepSpeed engine), layer by layer.
-
-    ``state_key`` selects an Adam moment instead of the parameters; ``local`` returns this rank's
-    tensor-parallel shards instead of full tensors.
-    """
-
+class _ModelStream:
     def __init__(self, module, cfg: ModelConfig, groups: Groups, *, local: bool = False,
                  optimizer=None, state_key: StateKey = None):
         self.params = dict(module.named_parameters())
         self.cfg, self.groups, self.local = cfg, groups, local
         self.optimizer, self.state_key = optimizer, state_key
         self.plan = parameter_plan(cfg)
+
+
+class ModelReader(_ModelStream):
+    """Reads a live Megatron model (plain or inside a DeepSpeed engine), layer by layer.
+
+    ``state_key`` selects an Adam moment instead of the parameters; ``local`` returns this rank's
+    tensor-parallel shards instead of full tensors.
+    """
+
+    def __init__(self, module, cfg: ModelConfig, groups: Groups, **kwargs):
+        super().__init__(module, cfg, groups, **kwargs)
         self.model_names, layer_names = _split_names(self.params, cfg)
         prefix = layer_prefix(cfg, 0)
         self.layer_names = [n[len(prefix):] for n in layer_names[0]]
@@ -172,17 +177,10 @@ class ModelReader:
         return p.detach()
 
 
-class ModelWriter:
+class ModelWriter(_ModelStream):
     """Writes full tensors (or, with ``local``, this rank's shards) into a Megatron model built in
     the target layout, before ``deepspeed.initialize`` (so that the optimizer starts from them);
     with ``state_key``, into the Adam moments of an initialised engine instead."""
-
-    def __init__(self, module, cfg: ModelConfig, groups: Groups, *, local: bool = False,
-                 optimizer=None, state_key: StateKey = None):
-        self.params = dict(module.named_parameters())
-        self.cfg, self.groups, self.local = cfg, groups, local
-        self.optimizer, self.state_key = optimizer, state_key
-        self.plan = parameter_plan(cfg)
 
     def write_model(self, values: dict[str, torch.Tensor]) -> None:
         self._write(values)
