@@ -227,6 +227,10 @@ class MultilevelConfig:
     residual-branch outputs (attention and FFN output projections)."""
     alpha: float = 0.5
     """Interpolation weight of the de-coalesced model: ``(1 - alpha) * before + alpha * decoalesced``."""
+    cycle: Literal["v", "grow"] = "v"
+    """``v``: the V-cycle (coalesce down from the fine model, then back up). ``grow``: only the way
+    up, from a freshly initialised coarsest model (growth methods such as progressive stacking:
+    depth only, ``depth_pairing = "halves"``, alpha 1)."""
     levels: list[LevelConfig] = field(default_factory=list)
     """Schedule per level, finest first; exactly ``num_levels`` entries when enabled."""
     optimizer_state: Literal["reset", "map"] = "reset"
@@ -257,6 +261,15 @@ class MultilevelConfig:
                 raise ValueError("multilevel.levels[-1].steps_after must be 0: the coarsest level trains once")
             if self.levels[-1].steps_before <= 0:
                 raise ValueError("multilevel.levels[-1].steps_before must be positive")
+            if self.cycle == "grow":
+                for i, level in enumerate(self.levels[:-1]):
+                    if level.steps_before:
+                        raise ValueError(f"multilevel.levels[{i}].steps_before must be 0 with cycle 'grow'")
+                    if self.alpha_of(i) != 1.0:
+                        raise ValueError(
+                            f"multilevel: cycle 'grow' has no model before coalescing to interpolate with; "
+                            f"level {i} needs alpha 1.0, not {self.alpha_of(i)}"
+                        )
 
     def alpha_of(self, level: int) -> float:
         """Interpolation weight when ``level`` is rebuilt from ``level + 1``."""

@@ -56,3 +56,41 @@ def _shade_levels(ax, train: list[dict], axis: str) -> None:
             if prev is not None and prev["level"] > 0 and start is not None:
                 ax.axvspan(start, prev[axis], color="grey", alpha=0.12 * prev["level"], lw=0)
             start = rec[axis] if rec else None
+
+
+def plot_validation(runs: dict[str, list[dict]], out_dir: str, *, target: "float | None" = None) -> list[str]:
+    """Validation loss of every run against FLOPs and against wall-clock, one figure each; the fine
+    model's points joined by lines, coarser levels' points hollow; ``target`` dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for axis in ("flops", "seconds"):
+        name, label = X_AXES[axis]
+        fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+        for i, (run, records) in enumerate(runs.items()):
+            color = f"C{i % 10}"
+            valid = [r for r in records if r.get("type") == "valid"]
+            fine = [r for r in valid if r["level"] == 0]
+            coarse = [r for r in valid if r["level"] > 0]
+            ax.plot([r[axis] for r in fine], [r["loss"] for r in fine], "o-", color=color, ms=3, lw=1.5, label=run)
+            if coarse:
+                ax.plot([r[axis] for r in coarse], [r["loss"] for r in coarse], "o", color=color, ms=4,
+                        mfc="none", alpha=0.7)
+        if target is not None:
+            ax.axhline(target, color="black", ls="--", lw=1, label="final loss of training from scratch")
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation loss (hollow: coarser levels)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        low = min(r["loss"] for recs in runs.values() for r in recs if r.get("type") == "valid")
+        ax.set_ylim(low - 0.05, low + 1.5)
+        path = os.path.join(out_dir, f"valid_loss_vs_{name}.png")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths

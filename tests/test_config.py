@@ -32,7 +32,7 @@ ACCEPTED = {
     ],
     MultilevelConfig: [
         "alpha", "coalesce_depth", "coalesce_width", "depth_pairing", "depth_scaling", "enabled",
-        "keep_fine", "levels", "num_levels", "optimizer_state", "perturbation_std", "width_pairing",
+        "cycle", "keep_fine", "levels", "num_levels", "optimizer_state", "perturbation_std", "width_pairing",
     ],
     LevelConfig: [
         "alpha", "deepspeed", "lr_after", "lr_before", "steps_after", "steps_before",
@@ -135,3 +135,18 @@ def test_top_level_must_be_an_object(tmp_path):
 def test_shipped_configs_parse(path):
     cfg = load_config(path)
     assert json.loads(path.read_text())["model"]["kind"] == cfg.model.kind
+
+
+def test_grow_cycle_schedule():
+    from megatron_multilevel.training.schedule import build_phases
+
+    levels = [{"steps_before": 0, "steps_after": 7}, {"steps_before": 5}]
+    cfg = load_config({"multilevel": {"enabled": True, "cycle": "grow", "alpha": 1.0, "levels": levels}})
+    assert [(p.level, p.steps, p.name) for p in build_phases(cfg)] == [(1, 5, "coarsest"), (0, 7, "after")]
+    v = load_config({"multilevel": {"enabled": True, "levels": [{"steps_before": 2, "steps_after": 7}, {"steps_before": 5}]}})
+    assert [(p.level, p.steps, p.name) for p in build_phases(v)] == [(0, 2, "before"), (1, 5, "coarsest"), (0, 7, "after")]
+    with pytest.raises(ValueError, match="level 0 needs alpha 1.0"):
+        load_config({"multilevel": {"enabled": True, "cycle": "grow", "levels": levels}})
+    with pytest.raises(ValueError, match=r"levels\[0\].steps_before must be 0 with cycle 'grow'"):
+        load_config({"multilevel": {"enabled": True, "cycle": "grow", "alpha": 1.0,
+                                    "levels": [{"steps_before": 3}, {"steps_before": 5}]}})

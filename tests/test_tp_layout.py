@@ -98,3 +98,19 @@ def test_uninitialised_models_carry_tensor_parallel_attributes():
     got = {n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", None))
            for n, p in build_model(cfg, perform_initialization=False).named_parameters()}
     assert got == ref
+
+
+def test_growing_prolongs_without_a_model_before():
+    """Progressive stacking: depth de-coalescing with halves pairing stacks the layers."""
+    cfg = small_config("gpt_tied")
+    lm = make_level_map(cfg, width=False, depth_pairing="halves")
+    coarse = build_model(lm.coarse)
+    load_parameters(coarse, random_state_dict(lm.coarse, seed=9))
+    coarse_sd = parameter_state_dict(coarse)
+    grown = prolong(coarse, None, lm, 1.0, coarse_layout=Layout(), fine_layout=Layout())
+    got = parameter_state_dict(grown.model)
+    for j in range(4):  # fine layer j copies coarse layer j mod 2
+        name = "mlp.linear_fc1.weight"
+        assert torch.equal(got[f"decoder.layers.{j}.{name}"], coarse_sd[f"decoder.layers.{j % 2}.{name}"])
+    with pytest.raises(ValueError, match="alpha 0.5 interpolates with the model before coalescing"):
+        prolong(coarse, None, lm, 0.5, coarse_layout=Layout(), fine_layout=Layout())

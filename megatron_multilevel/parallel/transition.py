@@ -209,7 +209,7 @@ def snapshot_level(
 
 def prolong(
     coarse_module: torch.nn.Module,
-    before: FineSnapshot,
+    before: Optional[FineSnapshot],
     level_map: LevelMap,
     alpha: float,
     *,
@@ -223,13 +223,16 @@ def prolong(
 ) -> Staged:
     """Build the fine level again: de-coalesce the coarse model and interpolate with ``before``.
 
-    The result is ``(1 - alpha) * before + alpha * decoalesce(coarse)`` in ``fine_layout``, plus,
+    The result is ``(1 - alpha) * before + alpha * decoalesce(coarse)`` in ``fine_layout`` (with
+    ``before`` None, growing a model, ``alpha`` must be 1), plus,
     with ``perturbation_std``, Gaussian noise of that size relative to each weight's own standard
     deviation (seeded by ``seed`` and the parameter's name: the same on every rank).
     """
     check_alpha(alpha)
     _check_layouts(level_map, fine_layout, coarse_layout)
-    if map_moments and not before.moments:
+    if before is None and alpha != 1.0:
+        raise ValueError(f"prolong: alpha {alpha} interpolates with the model before coalescing, and there is none")
+    if map_moments and (before is None or not before.moments):
         raise ValueError("prolong: map_moments needs the fine moments, kept only if coarsen mapped them")
     fast = uses_fast_path(level_map, fine_layout, coarse_layout)
     coarse_groups = Groups.current()
@@ -242,7 +245,8 @@ def prolong(
     step = _adam_step(optimizer) if map_moments else 0
     fine_model = _build_target(level_map.fine, fine_layout, ds_config)
     writer = ModelWriter(fine_model, level_map.fine, Groups.current(), local=fast)
-    _prolong_stream(reader, before.params, writer, op_map, alpha, perturbation_std=perturbation_std, seed=seed)
+    _prolong_stream(reader, before and before.params, writer, op_map, alpha, perturbation_std=perturbation_std,
+                    seed=seed)
     staged = Staged(fine_model, level_map.fine, fast, step=step)
     for key, moment_reader in moment_readers.items():
         staged.moments[key] = Snapshot(_snapshot_group(fast))
@@ -311,7 +315,7 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
     """De-coalesce and interpolate parameter by parameter."""
     for name in coarse_reader.model_names:
         decoalesced = decoalesce_model_params(coarse_reader.read_model([name]), level_map)
-        values = interpolate(before_reader.read_model([name]), decoalesced, alpha)
+        values = decoalesced if before_reader is None else interpolate(before_reader.read_model([name]), decoalesced, alpha)
         writer.write_model(_perturb(values, perturbation_std, seed, "model"))
     fine_of = {}
     for j in range(level_map.fine.num_layers):
@@ -320,7 +324,10 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
         for name in coarse_reader.layer_names:
             decoalesced = decoalesce_layer(coarse_reader.read_layer(k, [name]), level_map)
             for j in fine_of[k]:
-                values = interpolate(before_reader.read_layer(j, [name]), decoalesced, alpha)
+                if before_reader is None:  # growing: nothing to interpolate with (alpha is 1)
+                    values = {n: t.clone() for n, t in decoalesced.items()}
+                else:
+                    values = interpolate(before_reader.read_layer(j, [name]), decoalesced, alpha)
                 writer.write_layer(j, _perturb(values, perturbation_std, seed, f"layer{j}"))
             del decoalesced
 

@@ -2,7 +2,8 @@
 
 Training from scratch is one phase. A K-level V-cycle is ``2K - 1`` phases: each finer level
 trains ``steps_before`` (the paper's ``E_a``) and is coalesced into the next, the coarsest level
-trains, then every level is de-coalesced back in turn and trains ``steps_after``. AdamW and the
+trains, then every level is de-coalesced back in turn and trains ``steps_after``. A ``grow``
+cycle is the way up only: the coarsest level from scratch, then each finer one. AdamW and the
 learning-rate schedule restart at every phase (the paper's choice).
 """
 
@@ -26,7 +27,9 @@ def build_phases(cfg: RunConfig) -> list[Phase]:
     if not ml.enabled:
         return [Phase(0, 0, cfg.training.train_steps, cfg.training.lr, "scratch")]
     k = ml.num_levels
-    specs = [(level, ml.levels[level].steps_before, ml.levels[level].lr_before, "before") for level in range(k - 1)]
+    specs = []
+    if ml.cycle == "v":
+        specs += [(level, ml.levels[level].steps_before, ml.levels[level].lr_before, "before") for level in range(k - 1)]
     specs.append((k - 1, ml.levels[k - 1].steps_before, ml.levels[k - 1].lr_before, "coarsest"))
     for level in reversed(range(k - 1)):
         lv = ml.levels[level]

@@ -291,7 +291,7 @@ class Trainer:
             what = "coalesced"
         else:
             staged = prolong(
-                old.module, self.snapshots.pop(nxt.level), self.level_maps[nxt.level], ml.alpha_of(nxt.level),
+                old.module, self.snapshots.pop(nxt.level, None), self.level_maps[nxt.level], ml.alpha_of(nxt.level),
                 coarse_layout=self.levels.layout(phase.level), fine_layout=self.levels.layout(nxt.level),
                 ds_config=ds, optimizer=old.optimizer, map_moments=mapped,
                 perturbation_std=ml.perturbation_std, seed=self.cfg.training.seed + nxt.index,

@@ -1,0 +1,112 @@
+"""The savings benchmark's arithmetic and run configs (``tools/benchmark_savings.py`` drives them).
+
+Savings are measured as the paper does: the compute (FLOPs, and wall-clock seconds of training
+and transitions) a method needs to first reach the validation loss that training from scratch
+ends at, against what training from scratch needs to reach it, on the same data, tokenizer, seed,
+model shape and token budget. Only the fine model's validation losses count (a coarse level
+reaching the loss is not a model of the fine shape). Between two evaluations the loss curve is
+taken as linear.
+"""
+
+import copy
+import statistics
+from typing import Optional, Sequence
+
+
+def first_crossing(points: Sequence[tuple[float, float]], target: float) -> Optional[float]:
+    """The first ``x`` at which the piecewise-linear curve ``(x, loss)`` reaches ``loss <= target``,
+    or None if it never does."""
+    previous = None
+    for x, loss in points:
+        if loss <= target:
+            if previous is None:
+                return x
+            x0, loss0 = previous
+            return x0 + (x - x0) * (loss0 - target) / (loss0 - loss)
+        previous = (x, loss)
+    return None
+
+
+def fine_curve(records: list[dict], axis: str) -> list[tuple[float, float]]:
+    """``(axis, loss)`` of the fine model's (level 0) validation records, in order."""
+    return [(r[axis], r["loss"]) for r in records if r.get("type") == "valid" and r.get("level") == 0]
+
+
+def run_savings(records: list[dict], baseline_records: list[dict]) -> dict:
+    """Cost to reach the baseline's final validation loss, and the saving against the baseline."""
+    target = fine_curve(baseline_records, "flops")[-1][1]
+    out = {"target_loss": target, "final_valid_loss": fine_curve(records, "flops")[-1][1]}
+    for axis, name in (("flops", "flops"), ("seconds", "seconds")):
+        cost = first_crossing(fine_curve(records, axis), target)
+        base = first_crossing(fine_curve(baseline_records, axis), target)
+        out[f"{name}_to_target"] = cost
+        out[f"saving_{name}"] = None if cost is None else 1.0 - cost / base
+    return out
+
+
+def summarize(values: Sequence[Optional[float]]) -> dict:
+    """Median and spread of repeated measurements (None: not reached in some repeat)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"median": None, "min": None, "max": None, "n": len(values), "reached": 0}
+    return {"median": statistics.median(present), "min": min(present), "max": max(present), "n": len(values),
+            "reached": len(present)}
+
+
+def _level(steps_before: int, peak: float, *, warmup: int = 0, steps_after: int = 0,
+           after_peak: "float | None" = None, after_warmup: int = 0, alpha: "float | None" = None) -> dict:
+    level = {"steps_before": steps_before, "lr_before": {"peak": peak, "warmup_steps": warmup}}
+    if steps_after:
+        level["steps_after"] = steps_after
+        level["lr_after"] = {"peak": after_peak or peak, "warmup_steps": after_warmup}
+    if alpha is not None:
+        level["alpha"] = alpha
+    return level
+
+
+def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor: float = 3.0,
+                    ea: float = 0.05, coarse_share: float = 0.5, alpha: float = 0.5, warmup: int = 20,
+                    after_warmup: int = 20) -> dict[str, dict]:
+    """Configs of the compared methods, all on ``steps`` global batches (the same tokens).
+
+    - ``scratch``: the fine model, ``steps`` steps;
+    - ``vcycle2``: ``ea`` of the steps at the fine level, ``coarse_share`` at the coarse level
+      (at ``coarse_lr_factor`` times the learning rate, no warm-up), the rest at the fine level
+      after de-coalescing and interpolating with ``alpha``;
+    - ``vcycle3``: the same shape over three levels (the middle level gets ``ea`` on the way down
+      and a third of the remaining fine steps on the way up);
+    - ``stacking``: progressive stacking, a half-depth model trained from scratch for
+      ``coarse_share`` of the steps, its layers stacked to full depth, the rest at full depth.
+    """
+    def config(multilevel: dict) -> dict:
+        out = copy.deepcopy(base)
+        out["multilevel"] = multilevel
+        return out
+
+    ea_steps = max(1, round(ea * steps))
+    coarse = round(coarse_share * steps)
+    after = steps - ea_steps - coarse
+    assert after > 0, "the schedule leaves no fine steps after de-coalescing"
+    coarse_lr = coarse_lr_factor * fine_lr
+    scratch = copy.deepcopy(base)
+    scratch["multilevel"] = {"enabled": False}
+    scratch.setdefault("training", {})["train_steps"] = steps
+    scratch["training"]["lr"] = {"peak": fine_lr, "warmup_steps": warmup}
+    common = {"enabled": True, "alpha": alpha}
+    vcycle2 = config({**common, "num_levels": 2, "levels": [
+        _level(ea_steps, fine_lr, warmup=warmup, steps_after=after, after_warmup=after_warmup),
+        _level(coarse, coarse_lr),
+    ]})
+    middle_after = max(1, after // 3)
+    vcycle3 = config({**common, "num_levels": 3, "levels": [
+        _level(ea_steps, fine_lr, warmup=warmup, steps_after=after - middle_after, after_warmup=after_warmup),
+        _level(ea_steps, coarse_lr, steps_after=middle_after, after_peak=coarse_lr, after_warmup=after_warmup),
+        _level(coarse - ea_steps, coarse_lr * 1.5),
+    ]})
+    stacking = config({
+        "enabled": True, "cycle": "grow", "num_levels": 2, "alpha": 1.0, "coalesce_width": False,
+        "coalesce_depth": True, "depth_pairing": "halves", "levels": [
+            _level(0, fine_lr, steps_after=steps - coarse, after_warmup=after_warmup),
+            _level(coarse, fine_lr, warmup=warmup),
+        ]})
+    return {"scratch": scratch, "vcycle2": vcycle2, "vcycle3": vcycle3, "stacking": stacking}
