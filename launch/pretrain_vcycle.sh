@@ -23,16 +23,20 @@ config=""
 launcher=()
 overrides=()
 procs_given=0
+multi_node=0
+port_given=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --num_procs) launcher+=(--num_gpus "$2"); procs_given=1; shift 2 ;;
     --num_procs=*) launcher+=("--num_gpus=${1#*=}"); procs_given=1; shift ;;
     --num_gpus|--include|--exclude) launcher+=("$1" "$2"); procs_given=1; shift 2 ;;
     --num_gpus=*|--include=*|--exclude=*) launcher+=("$1"); procs_given=1; shift ;;
-    -H|--hostfile|--num_nodes|--master_addr|--master_port|--node_rank|--launcher|--launcher_args|--ssh_port|--bind_core_list)
-      launcher+=("$1" "$2"); shift 2 ;;
-    --hostfile=*|--num_nodes=*|--master_addr=*|--master_port=*|--node_rank=*|--launcher=*|--ssh_port=*|--bind_core_list=*)
-      launcher+=("$1"); shift ;;
+    -H|--hostfile|--num_nodes|--node_rank) launcher+=("$1" "$2"); multi_node=1; shift 2 ;;
+    --hostfile=*|--num_nodes=*|--node_rank=*) launcher+=("$1"); multi_node=1; shift ;;
+    --master_port) launcher+=("$1" "$2"); port_given=1; shift 2 ;;
+    --master_port=*) launcher+=("$1"); port_given=1; shift ;;
+    --master_addr|--launcher|--launcher_args|--ssh_port|--bind_core_list) launcher+=("$1" "$2"); shift 2 ;;
+    --master_addr=*|--launcher=*|--ssh_port=*|--bind_core_list=*) launcher+=("$1"); shift ;;
     --no_ssh|--no_ssh_check|--force_multi|--bind_cores_to_rank|--enable_each_rank_log)
       launcher+=("$1"); shift ;;
     -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
@@ -56,6 +60,10 @@ python_bin="${PYTHON:-python}"
 if ! "$python_bin" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   # CPU: one process unless asked otherwise (the DeepSpeed launcher would start one per NUMA node).
   if [[ $procs_given -eq 0 ]]; then launcher+=(--num_gpus 1); fi
+fi
+if [[ $multi_node -eq 0 && $port_given -eq 0 ]]; then
+  # One node: a free port, so that several runs on one machine do not collide on 29500.
+  launcher+=(--master_port "$("$python_bin" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')")
 fi
 # DeepSpeed compiles small ops at run time; keep them in one place so that every run pays once.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extensions}"

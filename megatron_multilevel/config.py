@@ -64,8 +64,9 @@ class ModelConfig:
     """Tie the output layer to the word embeddings."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Norm of every layer, the final norm and BERT's LM head."""
-    activation: Literal["gelu", "swiglu"] = "gelu"
-    """FFN activation; ``swiglu`` stacks gate and up projections in ``linear_fc1``."""
+    activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"
+    """FFN activation: exact GELU, GELU's tanh approximation (GPT-2's), or SwiGLU (which stacks
+    gate and up projections in ``linear_fc1``)."""
     add_bias_linear: bool = True
     """Biases on the linear layers of the transformer layers."""
     hidden_dropout: float = 0.0

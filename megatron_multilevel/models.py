@@ -4,6 +4,7 @@ Needs ``torch.distributed`` and Megatron's ``parallel_state`` to be initialised 
 ``megatron_multilevel.distributed``); the tensor-parallel size is read from there.
 """
 
+import functools
 import importlib.util
 
 import torch
@@ -11,6 +12,13 @@ import torch.nn.functional as F
 
 from megatron_multilevel.config import ModelConfig
 from megatron_multilevel.cpu_shims import apply_cpu_shims
+
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "swiglu": F.silu,  # with gated_linear_unit: silu(gate) * up
+}
 
 
 def transformer_engine_available() -> bool:
@@ -48,7 +56,7 @@ def transformer_config(
         ffn_hidden_size=cfg.ffn_hidden_size,
         normalization=cfg.normalization,
         gated_linear_unit=cfg.gated,
-        activation_func=F.silu if cfg.gated else F.gelu,
+        activation_func=ACTIVATIONS[cfg.activation],
         add_bias_linear=cfg.add_bias_linear,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
@@ -63,7 +71,7 @@ def transformer_config(
         # weights of a TP=1 run with the same seed. Off on GPU, where it would be slow at scale.
         use_cpu_initialization=not on_gpu,
         # Fusions need CUDA (or trigger torch.compile on CPU); DeepSpeed owns gradient accumulation.
-        bias_activation_fusion=on_gpu and not cfg.gated and cfg.add_bias_linear,
+        bias_activation_fusion=on_gpu and cfg.activation == "gelu" and cfg.add_bias_linear,
         masked_softmax_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
         persist_layer_norm=False,

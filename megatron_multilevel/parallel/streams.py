@@ -298,3 +298,20 @@ class Snapshot:
     def local_bytes(self) -> int:
         """Bytes this rank holds in memory (zero for a snapshot on disk)."""
         return sum(t.numel() * t.element_size() for t in self._parts.values())
+
+
+class TensorsReader:
+    """Full tensors held in memory (a consolidated checkpoint), behind the reader interface."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], cfg: ModelConfig):
+        self.tensors, self.cfg = tensors, cfg
+        self.model_names, layer_names = _split_names(tensors, cfg)
+        prefix = layer_prefix(cfg, 0)
+        self.layer_names = [n[len(prefix):] for n in layer_names[0]]
+
+    def read_model(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        return {name: self.tensors[name] for name in names}
+
+    def read_layer(self, layer: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        prefix = layer_prefix(self.cfg, layer)
+        return {name: self.tensors[prefix + name] for name in names}

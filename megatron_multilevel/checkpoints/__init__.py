@@ -1,0 +1,1 @@
+"""Checkpoint conversion: DeepSpeed checkpoints of any layout, consolidated files, Hugging Face."""

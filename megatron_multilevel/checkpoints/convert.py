@@ -1,0 +1,235 @@
+"""The conversions of ``tools/convert_checkpoint.py``; each verifies itself before it reports success.
+
+A source is a run directory (its latest checkpoint), one checkpoint tag directory, or a
+consolidated checkpoint (``to-full``'s output). Outputs are new directories, never edits in place.
+"""
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+import torch
+
+from megatron_multilevel.checkpoints import verify
+from megatron_multilevel.checkpoints.full import is_full, load_full, prepare_output, save_full
+from megatron_multilevel.config import ModelConfig, check_model_parallel
+from megatron_multilevel.level_maps import LevelMap, make_level_map
+from megatron_multilevel.operators import coalesce, decoalesce, interpolate
+from megatron_multilevel.parallel.tp_layout import shard
+from megatron_multilevel.plan import parameter_plan
+
+
+class VerificationError(RuntimeError):
+    """A conversion's own check failed; nothing is reported as converted."""
+
+
+@dataclasses.dataclass
+class Source:
+    tensors: dict
+    model: ModelConfig
+    level: int
+    level_maps: list
+    description: dict
+    rank_shards: Optional[list] = None  # per tensor-parallel rank, for a DeepSpeed source
+
+
+def load_source(path: str) -> Source:
+    if not os.path.exists(path):
+        raise ValueError(f"source {path!r} does not exist")
+    if is_full(path):
+        tensors, model, meta = load_full(path)
+        return Source(tensors, model, meta.get("level", 0), meta.get("level_maps", []),
+                      {"kind": "full", "path": os.path.abspath(path)})
+    if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isdir(os.path.join(path, "checkpoints")):
+        raise ValueError(f"{path} looks like a Hugging Face checkpoint; convert it with from-hf first")
+    from megatron_multilevel.checkpoints.deepspeed_reader import merge_tensor_parallel, open_checkpoint, rank_state_dicts
+
+    ckpt = open_checkpoint(path)
+    shards = rank_state_dicts(ckpt)
+    tensors = merge_tensor_parallel(shards, ckpt.model)
+    state = ckpt.sidecar["state"]
+    return Source(tensors, ckpt.model, ckpt.level, ckpt.sidecar["level_maps"],
+                  {"kind": "deepspeed", "path": ckpt.path, "tag": ckpt.tag, "tensor_model_parallel_size": ckpt.tp,
+                   "zero_stage": ckpt.zero_stage, "phase": state["phase"], "step": state["step"],
+                   "global_step": state["global_step"]}, shards)
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise VerificationError(f"verification failed: {what}")
+
+
+def to_full(src: str, out: str, *, fmt: str = "safetensors", overwrite: bool = False) -> None:
+    prepare_output(out, overwrite, src)
+    source = load_source(src)
+    tokens = verify.fixed_tokens(source.model)
+    full_logits = verify.logits_full(source.tensors, source.model, tokens)
+    if source.rank_shards is not None:
+        plan = parameter_plan(source.model)
+        tp = len(source.rank_shards)
+        bad = [n for r, sd in enumerate(source.rank_shards) for n, t in sd.items()
+               if not torch.equal(shard(source.tensors[n], plan.rule(n)[1], r, tp), t)]
+        print(f"round trip: the full tensors, split again over {tp} tensor-parallel rank(s), equal the source "
+              f"shards bit for bit: {'yes' if not bad else 'NO ' + str(bad[:4])}")
+        _require(not bad, f"shards differ after the round trip: {bad[:4]}")
+        source_logits = (verify.logits_full(source.rank_shards[0], source.model, tokens) if tp == 1
+                         else verify.logits_in_layout(source.rank_shards, source.model, tokens))
+        _require(verify.compare([(f"source (TP={tp})", "consolidated (TP=1)", source_logits, full_logits)]),
+                 "logits of the consolidated model differ from the source's")
+    save_full(out, source.tensors, source.model, level=source.level, level_maps=source.level_maps,
+              source=source.description, fmt=fmt)
+    print(f"wrote {out}: {sum(t.numel() for t in source.tensors.values()):,} parameters, level {source.level}")
+
+
+def coalesce_checkpoint(src: str, out: str, *, width: bool, depth: bool, width_pairing: str, depth_pairing: str,
+                        depth_scaling: str, tensor_model_parallel_size: int, fmt: str, overwrite: bool) -> None:
+    prepare_output(out, overwrite, src)
+    source = load_source(src)
+    lm = make_level_map(source.model, width=width, depth=depth, width_pairing=width_pairing,
+                        depth_pairing=depth_pairing, depth_scaling=depth_scaling,
+                        tensor_model_parallel_size=tensor_model_parallel_size)
+    coarse = coalesce(source.tensors, lm)
+    again = coalesce(decoalesce(coarse, lm), lm)
+    bad = verify.mismatched(coarse, again)
+    print(f"round trip: coalesce(decoalesce(coarse)) == coarse bit for bit: {'yes' if not bad else 'NO'}")
+    _require(not bad, f"coalesce(decoalesce(x)) != x for {bad[:4]}")
+    tokens = verify.fixed_tokens(source.model)
+    coarse_logits = verify.logits_full(coarse, lm.coarse, tokens)
+    rows = [("source (fine)", "coalesced (coarse)", verify.logits_full(source.tensors, source.model, tokens),
+             coarse_logits),
+            ("coalesced (coarse)", "its de-coalesced fine model", coarse_logits,
+             verify.logits_full(decoalesce(coarse, lm), lm.fine, tokens))]
+    # Width de-coalescing preserves the function; depth de-coalescing and coalescing do not.
+    _require(verify.compare(rows, required=[False, not depth]), "width de-coalescing changed the logits")
+    save_full(out, coarse, lm.coarse, level=source.level + 1, level_maps=source.level_maps + [lm.to_json()],
+              source={**source.description, "operation": "coalesce"}, fmt=fmt)
+    with open(os.path.join(out, "level_map.json"), "w") as f:
+        f.write(lm.to_json())
+    print(f"wrote {out}: {lm.coarse.num_layers} layers, hidden {lm.coarse.hidden_size} (grouping in level_map.json)")
+
+
+def decoalesce_checkpoint(src: str, out: str, *, level_map: Optional[str], fmt: str, overwrite: bool) -> None:
+    prepare_output(out, overwrite, src)
+    source = load_source(src)
+    if level_map is not None:
+        with open(level_map) as f:
+            lm = LevelMap.from_json(f.read())
+        maps = source.level_maps
+    else:
+        # the most recent grouping that coarsens to this checkpoint's model
+        fits = [i for i, text in enumerate(source.level_maps) if LevelMap.from_json(text).coarse == source.model]
+        if not fits:
+            raise ValueError(f"{src} records no level map that coarsens to its model; pass --level-map with the "
+                             f"grouping it was coalesced with")
+        lm = LevelMap.from_json(source.level_maps[fits[-1]])
+        maps = source.level_maps[: fits[-1]] + source.level_maps[fits[-1] + 1 :]
+    if lm.coarse != source.model:
+        raise ValueError("the level map does not match the checkpoint: it coarsens to "
+                         f"{lm.coarse.num_layers} layers x {lm.coarse.hidden_size}, the checkpoint has "
+                         f"{source.model.num_layers} x {source.model.hidden_size}")
+    fine = decoalesce(source.tensors, lm)
+    bad = verify.mismatched(coalesce(fine, lm), source.tensors)
+    print(f"round trip: coalesce(decoalesce(x)) == x bit for bit: {'yes' if not bad else 'NO'}")
+    _require(not bad, f"coalesce(decoalesce(x)) != x for {bad[:4]}")
+    tokens = verify.fixed_tokens(source.model)
+    rows = [("source (coarse)", "de-coalesced (fine)", verify.logits_full(source.tensors, source.model, tokens),
+             verify.logits_full(fine, lm.fine, tokens))]
+    _require(verify.compare(rows, required=[not lm.depth]), "width de-coalescing changed the logits")
+    save_full(out, fine, lm.fine, level=max(0, source.level - 1), level_maps=maps,
+              source={**source.description, "operation": "decoalesce"}, fmt=fmt)
+    print(f"wrote {out}: {lm.fine.num_layers} layers, hidden {lm.fine.hidden_size}")
+
+
+def interpolate_checkpoint(src: str, out: str, *, alpha: float, other: str, fmt: str, overwrite: bool) -> None:
+    """``(1 - alpha) * other + alpha * src`` (``other``: the model before coalescing)."""
+    from megatron_multilevel.config import check_alpha
+
+    check_alpha(alpha, "--alpha")
+    prepare_output(out, overwrite, src, other)
+    a, b = load_source(src), load_source(other)
+    if a.model != b.model:
+        raise ValueError("interpolate: the two checkpoints are of different models")
+    mixed = interpolate(b.tensors, a.tensors, alpha)
+    ends = not verify.mismatched(interpolate(b.tensors, a.tensors, 0.0), b.tensors) and not verify.mismatched(
+        interpolate(b.tensors, a.tensors, 1.0), a.tensors)
+    print(f"endpoints: alpha 0 gives --with, alpha 1 gives the source, bit for bit: {'yes' if ends else 'NO'}")
+    _require(ends, "interpolation endpoints are not exact")
+    tokens = verify.fixed_tokens(a.model)
+    la, lb, lm_ = (verify.logits_full(t, a.model, tokens) for t in (a.tensors, b.tensors, mixed))
+    verify.compare([("--with", f"alpha {alpha}", lb, lm_), ("source", f"alpha {alpha}", la, lm_)], required=[False, False])
+    save_full(out, mixed, a.model, level=a.level, level_maps=a.level_maps,
+              source={"operation": "interpolate", "alpha": alpha, "source": a.description, "with": b.description},
+              fmt=fmt)
+    print(f"wrote {out}")
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging
+    except ImportError:
+        raise ValueError("to-hf and from-hf need transformers: pip install 'megatron-multilevel[hf]'") from None
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
+def to_hf(src: str, out: str, *, overwrite: bool) -> None:
+    from megatron_multilevel.checkpoints.hf import check_exportable, from_hf_state_dict, hf_logits, hf_model, to_hf_state_dict
+
+    _quiet_transformers()
+    source = load_source(src)
+    check_exportable(source.model)
+    prepare_output(out, overwrite, src)
+    hf_sd = to_hf_state_dict(source.tensors, source.model)
+    bad = verify.mismatched(from_hf_state_dict(hf_sd, source.model), source.tensors)
+    print(f"round trip: Megatron -> Hugging Face -> Megatron tensors bit for bit: {'yes' if not bad else 'NO'}")
+    _require(not bad, f"tensors differ after the round trip: {bad[:4]}")
+    model = hf_model(source.model, hf_sd)
+    tokens = verify.fixed_tokens(source.model)
+    rows = [("Megatron (source)", f"transformers {type(model).__name__}",
+             verify.logits_full(source.tensors, source.model, tokens), hf_logits(model, source.model, tokens).float())]
+    _require(verify.compare(rows), "the Hugging Face model's logits differ")
+    model.save_pretrained(out)
+    print(f"wrote {out} ({type(model).__name__})")
+
+
+def from_hf(src: str, out: str, *, fmt: str, overwrite: bool) -> None:
+    from megatron_multilevel.checkpoints.hf import from_hf_state_dict, hf_logits, hf_model, model_config_from_hf, to_hf_state_dict
+
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise ValueError(f"{src} is not a Hugging Face checkpoint directory (no config.json)")
+    prepare_output(out, overwrite, src)
+    _quiet_transformers()
+    from transformers import AutoConfig, GPT2LMHeadModel, MegatronBertForMaskedLM
+
+    hf_cfg = AutoConfig.from_pretrained(src, local_files_only=True)
+    cls = {"gpt2": GPT2LMHeadModel, "megatron-bert": MegatronBertForMaskedLM}.get(hf_cfg.model_type)
+    if cls is None:
+        raise ValueError(f"Hugging Face model type {hf_cfg.model_type!r} is not supported; valid: ['gpt2', 'megatron-bert']")
+    model = cls.from_pretrained(src, local_files_only=True).eval()
+    hf_sd = {k: v.detach().float() for k, v in model.state_dict().items()}
+    cfg = model_config_from_hf(hf_cfg, hf_sd)
+    tensors = from_hf_state_dict(hf_sd, cfg)
+    back = to_hf_state_dict(tensors, cfg)
+    bad = [k for k in back if k in hf_sd and not torch.equal(back[k], hf_sd[k])]
+    print(f"round trip: Hugging Face -> Megatron -> Hugging Face tensors bit for bit: {'yes' if not bad else 'NO'}")
+    _require(not bad, f"tensors differ after the round trip: {bad[:4]}")
+    tokens = verify.fixed_tokens(cfg)
+    rows = [(f"transformers {type(model).__name__} (source)", "Megatron", hf_logits(model, cfg, tokens).float(),
+             verify.logits_full(tensors, cfg, tokens))]
+    _require(verify.compare(rows), "the Megatron model's logits differ")
+    save_full(out, tensors, cfg, source={"kind": "huggingface", "path": os.path.abspath(src),
+                                         "model_type": hf_cfg.model_type}, fmt=fmt)
+    with open(os.path.join(out, "model_config.json"), "w") as f:
+        json.dump({"model": dataclasses.asdict(cfg)}, f, indent=1)
+    print(f"wrote {out}: {cfg.num_layers} layers, hidden {cfg.hidden_size}; model block in model_config.json")
+
+
+def check_target_tp(cfgs: list[ModelConfig], tp: int) -> None:
+    for level, cfg in enumerate(cfgs):
+        try:
+            check_model_parallel(cfg, tp)
+        except ValueError as e:
+            raise ValueError(f"--target-tp {tp} cannot hold level {level}: {e}") from None

@@ -1,0 +1,121 @@
+"""Read a DeepSpeed checkpoint of this project offline (one process, no GPU).
+
+Every ZeRO stage and tensor-parallel size: for each tensor-parallel rank, the fp32 master
+weights are rebuilt from the ZeRO partitions with DeepSpeed's own ``zero_to_fp32`` routines
+(which handle one model-parallel rank at a time) or, without ZeRO, taken from the module states;
+the ranks are then merged with the plan's tensor-parallel layout.
+"""
+
+import contextlib
+import glob
+import io
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from megatron_multilevel.config import ModelConfig, RunConfig, load_config
+from megatron_multilevel.level_maps import LevelMap
+from megatron_multilevel.parallel.tp_layout import unshard
+from megatron_multilevel.plan import is_metadata, parameter_plan
+from megatron_multilevel.training.checkpoint import SIDECAR, checkpoint_dir, read_latest
+from megatron_multilevel.training.schedule import build_phases
+
+
+@dataclass
+class DeepSpeedCheckpoint:
+    """One tag of a run's checkpoints, with what its sidecar says about it."""
+
+    path: str
+    tag: str
+    sidecar: dict
+    config: RunConfig
+    level: int
+    model: ModelConfig
+    tp: int
+    zero_stage: int
+
+    @property
+    def level_maps(self) -> list[LevelMap]:
+        return [LevelMap.from_json(text) for text in self.sidecar["level_maps"]]
+
+
+def open_checkpoint(source: str) -> DeepSpeedCheckpoint:
+    """A run directory (its latest checkpoint), its ``checkpoints`` directory, or one tag directory."""
+    source = os.path.abspath(source)
+    if os.path.isfile(os.path.join(source, SIDECAR)):
+        path = source
+        with open(os.path.join(path, SIDECAR)) as f:
+            sidecar = json.load(f)
+        tag = os.path.basename(path)
+    else:
+        run = os.path.dirname(source) if os.path.basename(source) == "checkpoints" else source
+        found = read_latest(run)
+        if found is None:
+            raise ValueError(f"{source} holds no checkpoint of this project (no {SIDECAR}, no checkpoints/latest)")
+        tag, sidecar = found
+        path = os.path.join(checkpoint_dir(run), tag)
+    config = load_config(sidecar["config"])
+    phase = build_phases(config)[sidecar["state"]["phase"]]
+    model = config.level_models()[phase.level]
+    tp = config.level_tp_sizes()[phase.level]
+    stage = _zero_stage(path)
+    return DeepSpeedCheckpoint(path, tag, sidecar, config, phase.level, model, tp, stage)
+
+
+def _zero_stage(path: str) -> int:
+    optim = sorted(glob.glob(os.path.join(path, "*_optim_states.pt")))
+    if not optim:
+        return 0
+    state = torch.load(optim[0], map_location="cpu", weights_only=False, mmap=True)
+    return int(state["optimizer_state_dict"].get("zero_stage", 0))
+
+
+def rank_state_dicts(ckpt: DeepSpeedCheckpoint) -> list[dict[str, torch.Tensor]]:
+    """The fp32 parameters of every tensor-parallel rank (its shards), in rank order."""
+    shards = []
+    for rank in range(ckpt.tp):
+        tag = f"mp_rank_{rank:02d}"
+        model_files = sorted(glob.glob(os.path.join(ckpt.path, f"*{tag}_model_states.pt")))
+        if not model_files:
+            raise ValueError(f"checkpoint {ckpt.path} is missing the shards of tensor-parallel rank {rank} ({tag}_*)")
+        if ckpt.zero_stage == 0:
+            state = torch.load(model_files[0], map_location="cpu", weights_only=False)
+            sd = {k: v.detach().float() for k, v in state["module"].items() if not is_metadata(k)}
+        else:
+            sd = _zero_rank(ckpt, model_files, tag)
+        shards.append(sd)
+    return shards
+
+
+def _zero_rank(ckpt: DeepSpeedCheckpoint, model_files: list[str], tag: str) -> dict[str, torch.Tensor]:
+    # DeepSpeed's zero_to_fp32 rebuilds one model-parallel rank from its data-parallel partitions;
+    # its public entry points only look at mp_rank_00, hence the per-rank calls.
+    from deepspeed.utils import zero_to_fp32 as z
+
+    optim_files = sorted(glob.glob(os.path.join(ckpt.path, f"*{tag}_optim_states.pt")), key=z.natural_keys)
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    with contextlib.redirect_stdout(io.StringIO()):  # it narrates every step
+        try:
+            model_states = z.parse_model_states(sorted(model_files, key=z.natural_keys))
+            stage, world, groups, paddings = z.parse_optim_states(optim_files, ckpt.path)
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"checkpoint {ckpt.path}, tensor-parallel rank {tag}: {e}") from None
+        if stage <= 2:
+            sd = z._get_fp32_state_dict_from_zero2_checkpoint(world, groups, model_states, False, paddings)
+        else:
+            sd = z._get_fp32_state_dict_from_zero3_checkpoint(world, groups, model_states, False)
+        sd = z.to_torch_tensor(sd)
+    return {k: v.detach().float().clone() for k, v in sd.items() if not is_metadata(k)}
+
+
+def merge_tensor_parallel(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's shards (the plan says which dim each parameter is split on)."""
+    plan = parameter_plan(cfg)
+    names = list(shards[0])
+    for rank, sd in enumerate(shards[1:], 1):
+        if set(sd) != set(names):
+            raise ValueError(f"tensor-parallel rank {rank} holds other parameters than rank 0: "
+                             f"{sorted(set(sd) ^ set(names))[:6]}")
+    return {name: unshard([sd[name] for sd in shards], plan.rule(name)[1]) for name in names}

@@ -1,0 +1,104 @@
+"""Reshard a run to another tensor-parallel size, so that training continues in the new layout.
+
+The latest checkpoint and those a resume still needs (the pre-coalescing checkpoints of coarsened
+levels) are consolidated, then written again by DeepSpeed from ``N`` ranks laid out as the new
+config says (its ZeRO stages included), with the run's position, counters and level maps. Adam
+restarts from zero moments; the learning-rate schedule continues at its step. Before reporting
+success, each new checkpoint is loaded the way the trainer loads it and its logits are compared
+with the consolidated model's.
+"""
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+
+import torch
+
+from megatron_multilevel.checkpoints import verify
+from megatron_multilevel.checkpoints.deepspeed_reader import merge_tensor_parallel, open_checkpoint, rank_state_dicts
+from megatron_multilevel.checkpoints.full import prepare_output
+from megatron_multilevel.config import config_to_dict, load_config
+from megatron_multilevel.training.checkpoint import checkpoint_dir, read_latest, state_of
+
+
+def _rank_worker(rank, world, config_dict, out, items, tokens):
+    """Write every item's tensors in the new layout and save it; return the latest's logits as the
+    trainer would see them after loading."""
+    from megatron_multilevel.parallel.streams import Groups, ModelWriter, TensorsReader
+    from megatron_multilevel.parallel.transition import _copy_stream
+    from megatron_multilevel.training import checkpoint
+    from megatron_multilevel.training.engines import LevelEngines
+    from megatron_multilevel.training.schedule import build_phases, lr_factor
+
+    cfg = load_config(config_dict)
+    levels = LevelEngines(cfg, world)
+    phases = build_phases(cfg)
+    logits = None
+    for item in items:
+        state = state_of({"state": item["state"]})
+        phase = phases[state.phase]
+        model_cfg = levels.models[phase.level]
+        model = levels.build_empty_model(phase.level)
+        _copy_stream(TensorsReader(item["tensors"], model_cfg), ModelWriter(model, model_cfg, Groups.current()),
+                     model_cfg.num_layers)
+        factor = lambda s, phase=phase: lr_factor(s, phase.steps, phase.lr)  # noqa: E731
+        engine = levels.engine(model, phase.level, phase.lr.peak, factor)
+        engine.lr_scheduler.last_epoch = state.step - 1
+        engine.lr_scheduler.step()  # the schedule continues where the run stood
+        checkpoint.save(engine, out, state, meta=item["meta"])
+        if item["latest"]:
+            fresh = levels.engine(levels.build_empty_model(phase.level), phase.level, phase.lr.peak, factor)
+            checkpoint.load(fresh, out, checkpoint.tag_of(state.phase, state.step))
+            logits = verify.gathered_logits(fresh.module, model_cfg, tokens)
+    return logits
+
+
+def reshard(src: str, out: str, *, target_tp: int, overwrite: bool = False) -> None:
+    found = read_latest(src)
+    if found is None:
+        raise ValueError(f"{src} is not a run directory with checkpoints (reshard continues a run; "
+                         f"a consolidated checkpoint holds no training state)")
+    latest_tag, sidecar = found
+    config = copy.deepcopy(sidecar["config"])
+    config["parallel"] = {**config.get("parallel", {}), "tensor_model_parallel_size": target_tp}
+    for level in config.get("multilevel", {}).get("levels", []):
+        level["tensor_model_parallel_size"] = None
+    config.setdefault("training", {})["output_dir"] = os.path.abspath(out)
+    try:
+        parsed = load_config(config)
+    except ValueError as e:
+        raise ValueError(f"--target-tp {target_tp}: {e}") from None
+    prepare_output(out, overwrite, src)
+    state = state_of(sidecar)
+    tags = [t for _, t in sorted(state.open_levels.items())] + [latest_tag]
+    items = []
+    for tag in tags:
+        ckpt = open_checkpoint(os.path.join(checkpoint_dir(src), tag))
+        tensors = merge_tensor_parallel(rank_state_dicts(ckpt), ckpt.model)
+        meta = {k: v for k, v in ckpt.sidecar.items() if k in ("model", "level_maps", "config_phases")}
+        meta["config"] = config_to_dict(parsed)
+        items.append({"tensors": tensors, "state": ckpt.sidecar["state"], "meta": meta, "latest": tag == latest_tag,
+                      "model": ckpt.model})
+    latest = items[-1]
+    tokens = verify.fixed_tokens(latest["model"])
+    full_logits = verify.logits_full(latest["tensors"], latest["model"], tokens)
+    os.makedirs(out, exist_ok=True)
+    from megatron_multilevel.parallel.spawn import run_ranks
+
+    payload = [{k: v for k, v in item.items() if k != "model"} for item in items]
+    logits = run_ranks(_rank_worker, target_tp, config_to_dict(parsed), os.path.abspath(out), payload, tokens,
+                       tensor_model_parallel_size=parsed.level_tp_sizes()[0])[0]
+    ok = verify.compare([("consolidated (TP=1)", f"resharded, loaded as the trainer does (TP={target_tp})",
+                          full_logits, logits)])
+    if not ok:
+        shutil.rmtree(out, ignore_errors=True)
+        raise RuntimeError("verification failed: the resharded checkpoint's logits differ")
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config_to_dict(parsed), f, indent=1)
+    for name in ("metrics.jsonl",):
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(out, name))
+    print(f"wrote {out}: {len(tags)} checkpoint(s) at TP={target_tp}; continue with\n"
+          f"  launch/pretrain_vcycle.sh {os.path.join(out, 'config.json')} --num_gpus {target_tp}")

@@ -1,0 +1,101 @@
+"""Self-checks of checkpoint conversions: exact tensor round trips and logits on a fixed input."""
+
+import tempfile
+from typing import Optional
+
+import torch
+
+from megatron_multilevel.config import ModelConfig
+from megatron_multilevel.config_parsing import parse_dataclass
+
+# Logits of the same weights computed two ways agree to float rounding; anything above this is a
+# conversion error, not rounding.
+LOGITS_TOLERANCE = 1e-4
+
+
+def init_single_process() -> None:
+    """A one-rank process group for building models in the tool's own process."""
+    import torch.distributed as dist
+
+    from megatron_multilevel.distributed import init_distributed
+
+    if not dist.is_initialized():
+        init_distributed(1, init_method=f"file://{tempfile.mktemp(prefix='rdv-')}", rank=0, world_size=1)
+
+
+def fixed_tokens(cfg: ModelConfig) -> torch.Tensor:
+    seq = min(16, cfg.max_sequence_length)
+    return torch.randint(0, cfg.vocab_size, (2, seq), generator=torch.Generator().manual_seed(1234))
+
+
+def logits_full(tensors: dict, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of full tensors in a TP=1 Megatron model, in this process."""
+    from megatron_multilevel.distributed import set_tensor_model_parallel_size
+    from megatron_multilevel.models import build_model, load_parameters, model_logits
+
+    init_single_process()
+    set_tensor_model_parallel_size(1)
+    model = build_model(cfg, perform_initialization=False)
+    load_parameters(model, tensors)
+    model.eval()
+    with torch.no_grad():
+        return model_logits(model, cfg, tokens).float()
+
+
+def gathered_logits(model, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of a tensor-parallel model, gathered over the vocabulary shards (collective)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_multilevel.models import model_logits
+
+    model.eval()
+    with torch.no_grad():
+        local = model_logits(model, cfg, tokens).float().contiguous()
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(parts, local, group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)
+
+
+def _layout_worker(rank, world, shards, model_dict, tokens):
+    from megatron_multilevel.models import build_model, load_parameters
+
+    cfg = parse_dataclass(ModelConfig, model_dict, "model")
+    model = build_model(cfg, perform_initialization=False)
+    load_parameters(model, shards[rank])
+    return gathered_logits(model, cfg, tokens)
+
+
+def logits_in_layout(shards: list[dict], cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of per-rank shards in their own tensor-parallel layout (one process per rank)."""
+    import dataclasses
+
+    from megatron_multilevel.parallel.spawn import run_ranks
+
+    tp = len(shards)
+    return run_ranks(_layout_worker, tp, shards, dataclasses.asdict(cfg), tokens, tensor_model_parallel_size=tp)[0]
+
+
+def compare(rows: list[tuple[str, str, torch.Tensor, torch.Tensor]], *, required: Optional[list[bool]] = None) -> bool:
+    """Print a table comparing logits; True if every required row agrees within the tolerance."""
+    print("| source | target | max abs diff | mean abs diff | same top-1 |")
+    print("|---|---|---|---|---|")
+    ok = True
+    for i, (a_name, b_name, a, b) in enumerate(rows):
+        diff = (a - b).abs()
+        top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+        needed = required[i] if required is not None else True
+        good = diff.max().item() <= LOGITS_TOLERANCE
+        ok &= good or not needed
+        note = "" if needed else " (information)"
+        print(f"| {a_name} | {b_name} | {diff.max().item():.2e}{note} | {diff.mean().item():.2e} | {top1:.1%} |")
+    return ok
+
+
+def mismatched(a: dict, b: dict) -> list[str]:
+    """Names whose tensors are not bit-identical (or that one side lacks)."""
+    names = sorted(set(a) | set(b))
+    return [n for n in names if n not in a or n not in b or not torch.equal(a[n], b[n])]

@@ -1,0 +1,102 @@
+"""Convert checkpoints: consolidate, reshard, apply the operators offline, exchange with Hugging Face.
+
+    python tools/convert_checkpoint.py to-full runs/gpt out/gpt_full                 # any TP, any ZeRO stage
+    python tools/convert_checkpoint.py reshard runs/gpt runs/gpt_tp2 --target-tp 2   # then continue training
+    python tools/convert_checkpoint.py coalesce out/gpt_full out/gpt_coarse [--no-depth] [--width-pairing adjacent]
+    python tools/convert_checkpoint.py decoalesce out/gpt_coarse out/gpt_fine        # reuses the recorded grouping
+    python tools/convert_checkpoint.py interpolate out/gpt_fine out/gpt_mix --alpha 0.5 --with out/gpt_full
+    python tools/convert_checkpoint.py to-hf out/gpt_full out/gpt_hf                   # GPT2LMHeadModel / MegatronBertForMaskedLM
+    python tools/convert_checkpoint.py from-hf path/to/hf_model out/from_hf
+
+A source is a run directory (its latest checkpoint), one checkpoint tag directory, or a
+consolidated checkpoint. Every conversion writes a new directory (an existing one only with
+--overwrite) and verifies itself first: exact tensor round trips where the maths says so, and
+logits of source and target on a fixed input, printed as a table. Flags take hyphens or
+underscores.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def command(name, help_):
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("source")
+        c.add_argument("output")
+        c.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+        return c
+
+    def fmt(c):
+        c.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
+
+    fmt(command("to-full", "a DeepSpeed checkpoint -> one consolidated fp32 checkpoint"))
+    c = command("reshard", "a run -> the same run at another tensor-parallel size")
+    c.add_argument("--target-tp", "--target_tp", type=int, required=True)
+    c = command("coalesce", "a checkpoint -> its coalesced (coarser) model")
+    fmt(c)
+    c.add_argument("--no-width", "--no_width", dest="width", action="store_false")
+    c.add_argument("--no-depth", "--no_depth", dest="depth", action="store_false")
+    c.add_argument("--width-pairing", "--width_pairing", choices=["halves", "adjacent"], default="halves")
+    c.add_argument("--depth-pairing", "--depth_pairing", choices=["adjacent", "halves"], default="adjacent")
+    c.add_argument("--depth-scaling", "--depth_scaling", choices=["none", "ode"], default="none")
+    c.add_argument("--tensor-model-parallel-size", "--tensor_model_parallel_size", type=int, default=1,
+                   help="pair units inside the shards of this TP size")
+    c = command("decoalesce", "a coalesced checkpoint -> the finer model (with the grouping it records)")
+    fmt(c)
+    c.add_argument("--level-map", "--level_map", default=None, help="a level_map.json to use instead")
+    c = command("interpolate", "(1 - alpha) * WITH + alpha * SOURCE")
+    fmt(c)
+    c.add_argument("--alpha", type=float, required=True)
+    c.add_argument("--with", dest="other", required=True, help="the model before coalescing")
+    command("to-hf", "-> a Hugging Face transformers checkpoint")
+    fmt(command("from-hf", "a Hugging Face transformers checkpoint -> a consolidated checkpoint"))
+    return p.parse_args([a.replace("_", "-") if a in ("to_full", "to_hf", "from_hf") else a for a in (argv or sys.argv[1:])])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron_multilevel.checkpoints import convert
+    from megatron_multilevel.checkpoints.reshard import reshard
+
+    try:
+        if args.command == "to-full":
+            convert.to_full(args.source, args.output, fmt=args.format, overwrite=args.overwrite)
+        elif args.command == "reshard":
+            reshard(args.source, args.output, target_tp=args.target_tp, overwrite=args.overwrite)
+        elif args.command == "coalesce":
+            convert.coalesce_checkpoint(
+                args.source, args.output, width=args.width, depth=args.depth, width_pairing=args.width_pairing,
+                depth_pairing=args.depth_pairing, depth_scaling=args.depth_scaling,
+                tensor_model_parallel_size=args.tensor_model_parallel_size, fmt=args.format, overwrite=args.overwrite)
+        elif args.command == "decoalesce":
+            convert.decoalesce_checkpoint(args.source, args.output, level_map=args.level_map, fmt=args.format,
+                                          overwrite=args.overwrite)
+        elif args.command == "interpolate":
+            convert.interpolate_checkpoint(args.source, args.output, alpha=args.alpha, other=args.other,
+                                           fmt=args.format, overwrite=args.overwrite)
+        elif args.command == "to-hf":
+            convert.to_hf(args.source, args.output, overwrite=args.overwrite)
+        else:
+            convert.from_hf(args.source, args.output, fmt=args.format, overwrite=args.overwrite)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
