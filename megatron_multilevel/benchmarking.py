@@ -64,10 +64,27 @@ def _level(steps_before: int, peak: float, *, warmup: int = 0, steps_after: int 
     return level
 
 
+def _flops_ratios(base: dict, multilevel: dict) -> list[float]:
+    """FLOPs per step of every level of ``multilevel`` over the fine model's."""
+    from megatron_multilevel.config import load_config
+    from megatron_multilevel.training.flops import flops_per_token
+
+    levels = [{"steps_before": 1}] * multilevel["num_levels"]
+    cfg = load_config({**base, "multilevel": {**multilevel, "enabled": True, "levels": levels, "cycle": "v",
+                                              "alpha": 0.5}})
+    seq = cfg.data.seq_length
+    fine = flops_per_token(cfg.model, seq)
+    return [flops_per_token(m, seq) / fine for m in cfg.level_models()]
+
+
 def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor: float = 3.0,
                     ea: float = 0.05, coarse_share: float = 0.5, alpha: float = 0.5, warmup: int = 20,
-                    after_warmup: int = 20) -> dict[str, dict]:
-    """Configs of the compared methods, all on ``steps`` global batches (the same tokens).
+                    after_warmup: int = 20, budget: str = "flops", depth_scaling: str = "none",
+                    perturbation_std: float = 0.0) -> dict[str, dict]:
+    """Configs of the compared methods: training from scratch for ``steps`` global batches, and
+    each other method within the same budget: the same training FLOPs (``budget="flops"``: the
+    cheaper steps of coarse levels buy more steps at the fine level) or the same tokens
+    (``"tokens"``).
 
     - ``scratch``: the fine model, ``steps`` steps;
     - ``vcycle2``: ``ea`` of the steps at the fine level, ``coarse_share`` at the coarse level
@@ -77,36 +94,56 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
       and a third of the remaining fine steps on the way up);
     - ``stacking``: progressive stacking, a half-depth model trained from scratch for
       ``coarse_share`` of the steps, its layers stacked to full depth, the rest at full depth.
+
+    The steps before coalescing count against the budget like any fine step; so do coarse steps,
+    at their FLOPs ratio.
     """
     def config(multilevel: dict) -> dict:
         out = copy.deepcopy(base)
         out["multilevel"] = multilevel
         return out
 
+    if budget not in ("flops", "tokens"):
+        raise ValueError(f"invalid budget {budget!r}; valid choices are ['flops', 'tokens']")
     ea_steps = max(1, round(ea * steps))
     coarse = round(coarse_share * steps)
-    after = steps - ea_steps - coarse
-    assert after > 0, "the schedule leaves no fine steps after de-coalescing"
     coarse_lr = coarse_lr_factor * fine_lr
+    shape = {"coalesce_width": True, "coalesce_depth": True}
+    r2 = _flops_ratios(base, {"num_levels": 2, **shape})
+    r3 = _flops_ratios(base, {"num_levels": 3, **shape})
+    r_stack = _flops_ratios(base, {"num_levels": 2, "coalesce_width": False, "coalesce_depth": True})
+
+    def remaining(coarse_cost: float) -> int:
+        """Fine steps left after ``ea_steps`` fine steps and coarse work costing ``coarse_cost``."""
+        if budget == "tokens":
+            return steps - ea_steps - coarse
+        return int(steps - ea_steps - coarse_cost)
+
+    after = remaining(coarse * r2[1])
+    assert after > 0, "the schedule leaves no fine steps after de-coalescing"
     scratch = copy.deepcopy(base)
     scratch["multilevel"] = {"enabled": False}
     scratch.setdefault("training", {})["train_steps"] = steps
     scratch["training"]["lr"] = {"peak": fine_lr, "warmup_steps": warmup}
-    common = {"enabled": True, "alpha": alpha}
+    common = {"enabled": True, "alpha": alpha, "depth_scaling": depth_scaling, "perturbation_std": perturbation_std}
     vcycle2 = config({**common, "num_levels": 2, "levels": [
         _level(ea_steps, fine_lr, warmup=warmup, steps_after=after, after_warmup=after_warmup),
         _level(coarse, coarse_lr),
     ]})
-    middle_after = max(1, after // 3)
+    # three levels: the middle one trains ea_steps on the way down and a share on the way up
+    middle_up = max(1, coarse // 4)
+    coarsest = coarse - ea_steps - middle_up
+    after3 = remaining((ea_steps + middle_up) * r3[1] + coarsest * r3[2])
     vcycle3 = config({**common, "num_levels": 3, "levels": [
-        _level(ea_steps, fine_lr, warmup=warmup, steps_after=after - middle_after, after_warmup=after_warmup),
-        _level(ea_steps, coarse_lr, steps_after=middle_after, after_peak=coarse_lr, after_warmup=after_warmup),
-        _level(coarse - ea_steps, coarse_lr * 1.5),
+        _level(ea_steps, fine_lr, warmup=warmup, steps_after=after3, after_warmup=after_warmup),
+        _level(ea_steps, coarse_lr, steps_after=middle_up, after_peak=coarse_lr, after_warmup=after_warmup),
+        _level(coarsest, coarse_lr * 1.5),
     ]})
+    stack_after = steps - coarse if budget == "tokens" else int(steps - coarse * r_stack[1])
     stacking = config({
         "enabled": True, "cycle": "grow", "num_levels": 2, "alpha": 1.0, "coalesce_width": False,
-        "coalesce_depth": True, "depth_pairing": "halves", "levels": [
-            _level(0, fine_lr, steps_after=steps - coarse, after_warmup=after_warmup),
+        "coalesce_depth": True, "depth_pairing": "halves", "depth_scaling": depth_scaling, "levels": [
+            _level(0, fine_lr, steps_after=stack_after, after_warmup=after_warmup),
             _level(coarse, fine_lr, warmup=warmup),
         ]})
     return {"scratch": scratch, "vcycle2": vcycle2, "vcycle3": vcycle3, "stacking": stacking}

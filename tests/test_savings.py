@@ -46,21 +46,39 @@ def test_summaries():
     assert summarize([None])["median"] is None
 
 
+def _budget(cfg):
+    from megatron_multilevel.training.flops import flops_per_token
+    from megatron_multilevel.training.schedule import build_phases
+
+    parsed = load_config(cfg)
+    models = parsed.level_models()
+    seq = parsed.data.seq_length
+    phases = build_phases(parsed)
+    return sum(p.steps for p in phases), sum(p.steps * flops_per_token(models[p.level], seq) for p in phases)
+
+
+BASE = {"train_batch_size": 8, "model": {"num_layers": 8, "hidden_size": 64, "num_attention_heads": 4,
+                                         "max_sequence_length": 32}, "data": {"seq_length": 32}}
+
+
 def test_variants_share_the_token_budget():
-    base = {"train_batch_size": 8, "model": {"num_layers": 8, "hidden_size": 64, "num_attention_heads": 4,
-                                             "max_sequence_length": 32}, "data": {"seq_length": 32}}
-    configs = variant_configs(base, steps=100, fine_lr=1e-3)
-    steps = {}
-    for name, cfg in configs.items():
-        parsed = load_config(cfg)
-        if parsed.multilevel.enabled:
-            steps[name] = sum(lv.steps_before + lv.steps_after for lv in parsed.multilevel.levels)
-        else:
-            steps[name] = parsed.training.train_steps
-    assert steps == {"scratch": 100, "vcycle2": 100, "vcycle3": 100, "stacking": 100}
+    configs = variant_configs(BASE, steps=100, fine_lr=1e-3, budget="tokens")
+    assert {name: _budget(cfg)[0] for name, cfg in configs.items()} == {
+        "scratch": 100, "vcycle2": 100, "vcycle3": 100, "stacking": 100}
     stack = load_config(configs["stacking"])
     assert stack.multilevel.cycle == "grow" and stack.level_models()[1].num_layers == 4
     assert stack.level_models()[1].hidden_size == 64
+
+
+def test_variants_share_the_flops_budget():
+    configs = variant_configs(BASE, steps=100, fine_lr=1e-3, budget="flops")
+    steps, flops = _budget(configs["scratch"])
+    one_step = flops / steps
+    for name, cfg in configs.items():
+        s, f = _budget(cfg)
+        assert flops - one_step <= f <= flops, name  # the same compute, to within one fine step
+        assert s >= steps  # cheaper steps: more of them
+    assert _budget(configs["vcycle2"])[0] > 130
 
 
 def test_benchmark_end_to_end(tmp_path):
@@ -81,8 +99,8 @@ def test_benchmark_end_to_end(tmp_path):
         assert set(m) >= {"saving_flops", "saving_seconds", "flops_to_target", "final_valid_loss"}
     assert results["methods"]["scratch"]["saving_flops"]["median"] == 0.0
     scratch_flops = results["methods"]["scratch"]["total_flops"]["median"]
-    for name in ("vcycle2", "vcycle3", "stacking"):  # same tokens, cheaper steps
-        assert results["methods"][name]["total_flops"]["median"] < scratch_flops
+    for name in ("vcycle2", "vcycle3", "stacking"):  # the same compute budget
+        assert results["methods"][name]["total_flops"]["median"] <= scratch_flops
     table = (out / "results.md").read_text()
     assert table.startswith("| method |") and "| vcycle3 |" in table and "| stacking |" in result.stdout
     for plot in ("valid_loss_vs_flops.png", "valid_loss_vs_seconds.png"):

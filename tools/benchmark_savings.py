@@ -6,8 +6,9 @@
     python tools/benchmark_savings.py --size gpt-base --procs 8 --steps 20000 --out runs/savings_gpt_base
     python tools/benchmark_savings.py --size bert-base --procs 8 --steps 60000 --out runs/savings_bert_base
 
-Every method trains on the same data, tokenizer, model shape and number of tokens, each run
-through the real launcher. Per method it reports the FLOPs and wall-clock seconds (training and
+Every method trains on the same data, tokenizer and model shape, within the budget of training
+from scratch: the same training FLOPs (default; coarse steps are cheaper, so the other methods
+see more tokens) or the same tokens (``--budget tokens``), each run through the real launcher. Per method it reports the FLOPs and wall-clock seconds (training and
 transitions) needed to first reach the validation loss training from scratch ends at, the final
 validation loss, and the savings against training from scratch (medians and spread over repeats,
 each repeat with its own seed and the methods in rotated order). It writes ``results.json``,
@@ -69,13 +70,13 @@ def variants(args, base: dict) -> dict[str, dict]:
     size = SIZES[args.size]
     steps = args.steps or size["steps"]
     common = dict(steps=steps, coarse_lr_factor=args.coarse_lr_factor, warmup=max(1, steps // 25),
-                  after_warmup=max(1, steps // 25))
+                  after_warmup=max(1, steps // 25), budget=args.budget, perturbation_std=args.perturbation)
     out = {}
     for lr in args.scratch_lr or [size["fine_lr"]]:
         name = "scratch" if not args.scratch_lr or len(args.scratch_lr) == 1 else f"scratch-lr{lr:g}"
         out[name] = variant_configs(base, fine_lr=lr, **common)["scratch"]
     main = variant_configs(base, fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0],
-                           alpha=args.alpha[0], **common)
+                           alpha=args.alpha[0], depth_scaling=args.depth_scaling, **common)
     for name in ("vcycle2", "vcycle3", "stacking"):
         if name in args.methods:
             out[name] = main[name]
@@ -83,13 +84,14 @@ def variants(args, base: dict) -> dict[str, dict]:
     sweeps += [("ea", e, dict(ea=e)) for e in args.ea[1:]]
     sweeps += [("coarse", c, dict(coarse_share=c)) for c in args.coarse_share[1:]]
     for key, value, change in sweeps:
-        kw = dict(ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0])
+        kw = dict(ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0], depth_scaling=args.depth_scaling)
         kw.update(change)
         out[f"vcycle2-{key}{value:g}"] = variant_configs(base, fine_lr=size["fine_lr"], **kw, **common)["vcycle2"]
-    if args.ode:
-        ode = json.loads(json.dumps(main["vcycle2"]))
-        ode["multilevel"]["depth_scaling"] = "ode"
-        out["vcycle2-ode"] = ode
+    if args.compare_depth_scaling:
+        other = "none" if args.depth_scaling == "ode" else "ode"
+        out[f"vcycle2-{other}"] = variant_configs(
+            base, fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
+            depth_scaling=other, **common)["vcycle2"]
     return out
 
 
@@ -232,7 +234,13 @@ def main(argv=None) -> int:
     p.add_argument("--coarse-share", "--coarse_share", type=float, nargs="+", default=[0.5],
                    help="share of steps at coarser levels")
     p.add_argument("--coarse-lr-factor", "--coarse_lr_factor", type=float, default=3.0)
-    p.add_argument("--ode", action="store_true", help="also the 2-level V-cycle with ODE depth scaling")
+    p.add_argument("--budget", choices=["flops", "tokens"], default="flops",
+                   help="what every method gets as much of as training from scratch")
+    p.add_argument("--depth-scaling", "--depth_scaling", choices=["none", "ode"], default="none",
+                   help="depth operators of the V-cycles (and stacking): the paper's, or ODE Euler steps")
+    p.add_argument("--compare-depth-scaling", "--compare_depth_scaling", action="store_true",
+                   help="also the 2-level V-cycle with the other depth scaling")
+    p.add_argument("--perturbation", type=float, default=0.0, help="multilevel.perturbation_std of the V-cycles")
     p.add_argument("--scratch-lr", "--scratch_lr", type=float, nargs="*", default=None,
                    help="tune the baseline: one scratch run per learning rate")
     p.add_argument("--evals", type=int, default=24, help="validation points per run")
