@@ -87,6 +87,10 @@ def variants(args, base: dict) -> dict[str, dict]:
         kw = dict(ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0], depth_scaling=args.depth_scaling)
         kw.update(change)
         out[f"vcycle2-{key}{value:g}"] = variant_configs(base, fine_lr=size["fine_lr"], **kw, **common)["vcycle2"]
+    if args.paper_variant:  # the paper's settings, beside the ones given
+        out["vcycle2-paper"] = variant_configs(
+            base, fine_lr=size["fine_lr"], ea=0.05, coarse_share=0.5, alpha=args.alpha[0], depth_scaling="none",
+            **common)["vcycle2"]
     if args.compare_depth_scaling:
         other = "none" if args.depth_scaling == "ode" else "ode"
         out[f"vcycle2-{other}"] = variant_configs(
@@ -241,6 +245,8 @@ def main(argv=None) -> int:
     p.add_argument("--compare-depth-scaling", "--compare_depth_scaling", action="store_true",
                    help="also the 2-level V-cycle with the other depth scaling")
     p.add_argument("--perturbation", type=float, default=0.0, help="multilevel.perturbation_std of the V-cycles")
+    p.add_argument("--paper-variant", "--paper_variant", action="store_true",
+                   help="also the 2-level V-cycle with the paper's E_a (5%%) and depth operators")
     p.add_argument("--scratch-lr", "--scratch_lr", type=float, nargs="*", default=None,
                    help="tune the baseline: one scratch run per learning rate")
     p.add_argument("--evals", type=int, default=24, help="validation points per run")
