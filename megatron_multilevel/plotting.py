@@ -9,14 +9,30 @@ X_AXES = {
 }
 
 
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _finish(plt, fig, ax, xlabel: str, ylabel: str, path: str) -> str:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def plot_runs(runs: dict[str, list[dict]], out_dir: str, *, axes=("global_step", "flops", "seconds"),
               title: str = "") -> list[str]:
     """One PNG per x axis with every run's training and validation loss; returns the paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for axis in axes:
@@ -33,17 +49,9 @@ def plot_runs(runs: dict[str, list[dict]], out_dir: str, *, axes=("global_step",
                         label=f"{run} (validation)")
             if len(runs) == 1:
                 _shade_levels(ax, train, axis)
-        ax.set_xlabel(label)
-        ax.set_ylabel("loss")
         if title:
             ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        path = os.path.join(out_dir, f"loss_vs_{name}.png")
-        fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_finish(plt, fig, ax, label, "loss", os.path.join(out_dir, f"loss_vs_{name}.png")))
     return paths
 
 
@@ -61,11 +69,7 @@ def _shade_levels(ax, train: list[dict], axis: str) -> None:
 def plot_validation(runs: dict[str, list[dict]], out_dir: str, *, target: "float | None" = None) -> list[str]:
     """Validation loss of every run against FLOPs and against wall-clock, one figure each; the fine
     model's points joined by lines, coarser levels' points hollow; ``target`` dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for axis in ("flops", "seconds"):
@@ -82,15 +86,8 @@ def plot_validation(runs: dict[str, list[dict]], out_dir: str, *, target: "float
                         mfc="none", alpha=0.7)
         if target is not None:
             ax.axhline(target, color="black", ls="--", lw=1, label="final loss of training from scratch")
-        ax.set_xlabel(label)
-        ax.set_ylabel("validation loss (hollow: coarser levels)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
         low = min(r["loss"] for recs in runs.values() for r in recs if r.get("type") == "valid")
         ax.set_ylim(low - 0.05, low + 1.5)
-        path = os.path.join(out_dir, f"valid_loss_vs_{name}.png")
-        fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_finish(plt, fig, ax, label, "validation loss (hollow: coarser levels)",
+                             os.path.join(out_dir, f"valid_loss_vs_{name}.png")))
     return paths
