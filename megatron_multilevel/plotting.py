@@ -87,6 +87,7 @@ def plot_validation(runs: dict[str, list[dict]], out_dir: str, *, target: "float
         if target is not None:
             ax.axhline(target, color="black", ls="--", lw=1, label="final loss of training from scratch")
         low = min(r["loss"] for recs in runs.values() for r in recs if r.get("type") == "valid")
+        low = low if target is None else min(low, target)
         ax.set_ylim(low - 0.05, low + 1.5)
         paths.append(_finish(plt, fig, ax, label, "validation loss (hollow: coarser levels)",
                              os.path.join(out_dir, f"valid_loss_vs_{name}.png")))
