@@ -53,6 +53,11 @@ def summarize(values: Sequence[Optional[float]]) -> dict:
             "reached": len(present)}
 
 
+SHAPES = {"width+depth": {"coalesce_width": True, "coalesce_depth": True},
+          "width": {"coalesce_width": True, "coalesce_depth": False},
+          "depth": {"coalesce_width": False, "coalesce_depth": True}}
+
+
 def _level(steps_before: int, peak: float, *, warmup: int = 0, steps_after: int = 0,
            after_peak: "float | None" = None, after_warmup: int = 0, alpha: "float | None" = None) -> dict:
     level = {"steps_before": steps_before, "lr_before": {"peak": peak, "warmup_steps": warmup}}
@@ -80,7 +85,7 @@ def _flops_ratios(base: dict, multilevel: dict) -> list[float]:
 def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor: float = 3.0,
                     ea: float = 0.05, coarse_share: float = 0.5, alpha: float = 0.5, warmup: int = 20,
                     after_warmup: int = 20, budget: str = "flops", depth_scaling: str = "none",
-                    perturbation_std: float = 0.0) -> dict[str, dict]:
+                    perturbation_std: float = 0.0, shape: str = "width+depth") -> dict[str, dict]:
     """Configs of the compared methods: training from scratch for ``steps`` global batches, and
     each other method within the same budget: the same training FLOPs (``budget="flops"``: the
     cheaper steps of coarse levels buy more steps at the fine level) or the same tokens
@@ -88,15 +93,16 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
 
     - ``scratch``: the fine model, ``steps`` steps;
     - ``vcycle2``: ``ea`` of the steps at the fine level, ``coarse_share`` at the coarse level
-      (at ``coarse_lr_factor`` times the learning rate, no warm-up), the rest at the fine level
-      after de-coalescing and interpolating with ``alpha``;
+      (at ``coarse_lr_factor`` times the learning rate if it is narrower, no warm-up), the rest at
+      the fine level after de-coalescing and interpolating with ``alpha``;
     - ``vcycle3``: the same shape over three levels (the middle level gets ``ea`` on the way down
       and a third of the remaining fine steps on the way up);
     - ``stacking``: progressive stacking, a half-depth model trained from scratch for
       ``coarse_share`` of the steps, its layers stacked to full depth, the rest at full depth.
 
-    The steps before coalescing count against the budget like any fine step; so do coarse steps,
-    at their FLOPs ratio.
+    ``shape`` is what the V-cycles coalesce: ``"width+depth"`` (the paper's), ``"width"`` or
+    ``"depth"``. The steps before coalescing count against the budget like any fine step; so do
+    coarse steps, at their FLOPs ratio.
     """
     def config(multilevel: dict) -> dict:
         out = copy.deepcopy(base)
@@ -105,10 +111,15 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
 
     if budget not in ("flops", "tokens"):
         raise ValueError(f"invalid budget {budget!r}; valid choices are ['flops', 'tokens']")
+    if shape not in SHAPES:
+        raise ValueError(f"invalid shape {shape!r}; valid choices are {sorted(SHAPES)}")
     ea_steps = max(1, round(ea * steps))
     coarse = round(coarse_share * steps)
-    coarse_lr = coarse_lr_factor * fine_lr
-    shape = {"coalesce_width": True, "coalesce_depth": True}
+    shape = SHAPES[shape]
+    # a narrower model takes a larger learning rate; a shallower one of the same width does not
+    # (progressive stacking keeps the fine rate too)
+    coarse_lr = (coarse_lr_factor if shape["coalesce_width"] else 1.0) * fine_lr
+    narrower = 1.5 if shape["coalesce_width"] else 1.0
     r2 = _flops_ratios(base, {"num_levels": 2, **shape})
     r3 = _flops_ratios(base, {"num_levels": 3, **shape})
     r_stack = _flops_ratios(base, {"num_levels": 2, "coalesce_width": False, "coalesce_depth": True})
@@ -125,7 +136,8 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     scratch["multilevel"] = {"enabled": False}
     scratch.setdefault("training", {})["train_steps"] = steps
     scratch["training"]["lr"] = {"peak": fine_lr, "warmup_steps": warmup}
-    common = {"enabled": True, "alpha": alpha, "depth_scaling": depth_scaling, "perturbation_std": perturbation_std}
+    common = {"enabled": True, **shape, "alpha": alpha, "depth_scaling": depth_scaling,
+              "perturbation_std": perturbation_std}
     vcycle2 = config({**common, "num_levels": 2, "levels": [
         _level(ea_steps, fine_lr, warmup=warmup, steps_after=after, after_warmup=after_warmup),
         _level(coarse, coarse_lr),
@@ -137,7 +149,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     vcycle3 = config({**common, "num_levels": 3, "levels": [
         _level(ea_steps, fine_lr, warmup=warmup, steps_after=after3, after_warmup=after_warmup),
         _level(ea_steps, coarse_lr, steps_after=middle_up, after_peak=coarse_lr, after_warmup=after_warmup),
-        _level(coarsest, coarse_lr * 1.5),
+        _level(coarsest, coarse_lr * narrower),
     ]})
     stack_after = steps - coarse if budget == "tokens" else int(steps - coarse * r_stack[1])
     stacking = config({

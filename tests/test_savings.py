@@ -81,6 +81,20 @@ def test_variants_share_the_flops_budget():
     assert _budget(configs["vcycle2"])[0] > 130
 
 
+def test_variants_coalesce_the_shape_asked_for():
+    for shape, (hidden, layers) in {"width+depth": (32, 4), "width": (32, 8), "depth": (64, 4)}.items():
+        configs = variant_configs(BASE, steps=100, fine_lr=1e-3, shape=shape)
+        scratch_flops = _budget(configs["scratch"])[1]
+        for name in ("vcycle2", "vcycle3"):
+            assert scratch_flops * 0.99 <= _budget(configs[name])[1] <= scratch_flops, (shape, name)
+        coarse = load_config(configs["vcycle2"]).level_models()[1]
+        assert (coarse.hidden_size, coarse.num_layers) == (hidden, layers), shape
+        lr = configs["vcycle2"]["multilevel"]["levels"][1]["lr_before"]["peak"]
+        assert lr == pytest.approx(3e-3 if hidden < 64 else 1e-3), shape  # the narrower level's rate only
+    with pytest.raises(ValueError, match="invalid shape 'heads'.*'depth'"):
+        variant_configs(BASE, steps=100, fine_lr=1e-3, shape="heads")
+
+
 def test_benchmark_end_to_end(tmp_path):
     inputs = make_corpus(tmp_path / "corpus")
     assert preprocess(inputs, tmp_path / "gpt").returncode == 0

@@ -3,13 +3,14 @@
     python tools/benchmark_savings.py                                  # CPU default (~30 min, 2 cores)
     python tools/benchmark_savings.py --repeats 3                      # alternating order, medians
     python tools/benchmark_savings.py --alpha 0.25 0.5 1.0 --ea 0.05 0.2   # the paper's ablations
+    python tools/benchmark_savings.py --extra-shapes depth width           # what to coalesce
     python tools/benchmark_savings.py --size gpt-base --procs 8 --steps 20000 --out runs/savings_gpt_base
     python tools/benchmark_savings.py --size bert-base --procs 8 --steps 60000 --out runs/savings_bert_base
 
 Every method trains on the same data, tokenizer and model shape, within the budget of training
 from scratch: the same training FLOPs (default; coarse steps are cheaper, so the other methods
-see more tokens) or the same tokens (``--budget tokens``), each run through the real launcher. Per method it reports the FLOPs and wall-clock seconds (training and
-transitions) needed to first reach the validation loss training from scratch ends at, the final
+see more tokens) or the same tokens (``--budget tokens``), each run through the real launcher.
+Per method it reports the FLOPs and wall-clock seconds (training and transitions) needed to first reach the validation loss training from scratch ends at, the final
 validation loss, and the savings against training from scratch (medians and spread over repeats,
 each repeat with its own seed and the methods in rotated order). It writes ``results.json``,
 ``results.md`` and PNG plots of validation loss against FLOPs and wall-clock into ``--out``, and
@@ -76,7 +77,7 @@ def variants(args, base: dict) -> dict[str, dict]:
         name = "scratch" if not args.scratch_lr or len(args.scratch_lr) == 1 else f"scratch-lr{lr:g}"
         out[name] = variant_configs(base, fine_lr=lr, **common)["scratch"]
     main = variant_configs(base, fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0],
-                           alpha=args.alpha[0], depth_scaling=args.depth_scaling, **common)
+                           alpha=args.alpha[0], depth_scaling=args.depth_scaling, shape=args.shape, **common)
     for name in ("vcycle2", "vcycle3", "stacking"):
         if name in args.methods:
             out[name] = main[name]
@@ -84,7 +85,8 @@ def variants(args, base: dict) -> dict[str, dict]:
     sweeps += [("ea", e, dict(ea=e)) for e in args.ea[1:]]
     sweeps += [("coarse", c, dict(coarse_share=c)) for c in args.coarse_share[1:]]
     for key, value, change in sweeps:
-        kw = dict(ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0], depth_scaling=args.depth_scaling)
+        kw = dict(ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
+                  depth_scaling=args.depth_scaling, shape=args.shape)
         kw.update(change)
         out[f"vcycle2-{key}{value:g}"] = variant_configs(base, fine_lr=size["fine_lr"], **kw, **common)["vcycle2"]
     if args.paper_variant:  # the paper's settings, beside the ones given
@@ -95,7 +97,12 @@ def variants(args, base: dict) -> dict[str, dict]:
         other = "none" if args.depth_scaling == "ode" else "ode"
         out[f"vcycle2-{other}"] = variant_configs(
             base, fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
-            depth_scaling=other, **common)["vcycle2"]
+            depth_scaling=other, shape=args.shape, **common)["vcycle2"]
+    for shape in args.extra_shapes:
+        if shape != args.shape:
+            out[f"vcycle2-{shape}"] = variant_configs(
+                base, fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
+                depth_scaling=args.depth_scaling, shape=shape, **common)["vcycle2"]
     return out
 
 
@@ -242,6 +249,10 @@ def main(argv=None) -> int:
                    help="what every method gets as much of as training from scratch")
     p.add_argument("--depth-scaling", "--depth_scaling", choices=["none", "ode"], default="none",
                    help="depth operators of the V-cycles (and stacking): the paper's, or ODE Euler steps")
+    p.add_argument("--shape", choices=["width+depth", "width", "depth"], default="width+depth",
+                   help="what the V-cycles coalesce (the paper: width and depth)")
+    p.add_argument("--extra-shapes", "--extra_shapes", nargs="*", default=[], choices=["width+depth", "width", "depth"],
+                   help="also the 2-level V-cycle coalescing these")
     p.add_argument("--compare-depth-scaling", "--compare_depth_scaling", action="store_true",
                    help="also the 2-level V-cycle with the other depth scaling")
     p.add_argument("--perturbation", type=float, default=0.0, help="multilevel.perturbation_std of the V-cycles")
