@@ -290,7 +290,10 @@ def main(argv=None) -> int:
     results = collect(args.out, names, args.repeats)
     results["command"] = "python tools/benchmark_savings.py " + " ".join(argv if argv is not None else sys.argv[1:])
     results["benchmark_seconds"] = time.time() - started
-    results["config"] = base
+    results["config"] = json.loads(json.dumps(base))
+    data = results["config"]["data"]
+    if data.get("cache_dir", "").startswith(ROOT):  # the repository's own cache: say so, not where it lies
+        data["cache_dir"] = os.path.relpath(data["cache_dir"], ROOT)
     if not args.no_step_ratio:
         results["step_time"] = step_time_ratios(base)
     target = results["methods"][results["baseline"]]["repeats"][0]["target_loss"]
