@@ -13,7 +13,6 @@ time that transitions take.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -68,20 +67,11 @@ def trainer_run(cfg, out_dir: str) -> dict:
 
 
 def worker(rank, world, args, out):
-    import torch
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     import copy
-    import warnings
 
-    warnings.filterwarnings("ignore")
     from megatron_multilevel.config import load_config
-    from megatron_multilevel.distributed import init_distributed
 
     base = load_config(args.config)
-    init_distributed(base.level_tp_sizes()[0], init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
     scratch = copy.deepcopy(base)
     scratch.multilevel.enabled = False
     scratch.training.train_steps = args.steps + args.warmup
@@ -99,9 +89,7 @@ def worker(rank, world, args, out):
     vcycle.training.eval_batches = 1
     vcycle.training.save_interval = 0
     results["vcycle"] = trainer_run(vcycle, f"{out}/vcycle")
-    if rank == 0:
-        with open(f"{out}/results.json", "w") as f:
-            json.dump(results, f)
+    return results
 
 
 def main(argv=None) -> int:
@@ -112,21 +100,17 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    import multiprocessing as mp
+    from megatron_multilevel.config import load_config
+    from megatron_multilevel.parallel.spawn import run_ranks
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
+    tp = load_config(args.config).level_tp_sizes()[0]
     with tempfile.TemporaryDirectory() as out:
-        procs = [mp.get_context("spawn").Process(target=worker, args=(r, args.procs, args, out))
-                 for r in range(args.procs)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            print("error: a rank failed", file=sys.stderr)
+        try:
+            results = run_ranks(worker, args.procs, args, out, tensor_model_parallel_size=tp)[0]
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 1
-        with open(f"{out}/results.json") as f:
-            results = json.load(f)
     bare, ours = results["bare"], results["trainer"]
     spread = lambda xs: f"{statistics.median(xs):,.0f} tok/s (min {min(xs):,.0f}, max {max(xs):,.0f})"  # noqa: E731
     print(f"config {os.path.relpath(args.config, ROOT)}, {args.procs} rank(s), {args.steps} timed steps x {args.repeats} "

@@ -18,7 +18,6 @@ import argparse
 import ctypes
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -142,17 +141,10 @@ def build_layer_shapes(cfg):
     return [(n, torch.empty(s, device="meta")) for n, s in shapes.items()]
 
 
-def worker(rank, world, args, out):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    import warnings
-
-    warnings.filterwarnings("ignore")
+def worker(rank, world, args):
     from megatron_multilevel.config import ModelConfig
-    from megatron_multilevel.distributed import init_distributed
     from megatron_multilevel.parallel.transition import Layout
 
-    init_distributed(1, init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
     results = []
     for vocab in (50304, 512):
         # vocab 512 isolates the layer stream: GPT-2's word embedding alone is 5.5 layers.
@@ -162,7 +154,7 @@ def worker(rank, world, args, out):
             run_path(f"fast path (TP=2, ZeRO-0), vocab {vocab}", cfg, Layout(2, 0), Layout(2, 0), args.repeats),
             run_path(f"streaming (DP=2, ZeRO-3), vocab {vocab}", cfg, Layout(1, 3), Layout(1, 3), args.repeats),
         ]
-    torch.save(results, f"{out}/rank{rank}.pt")
+    return results
 
 
 def report(results_by_rank, args):
@@ -190,22 +182,12 @@ def main():
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    import multiprocessing as mp
+    from megatron_multilevel.parallel.spawn import run_ranks
 
     # Large allocations are mmapped and returned on free, so that resident memory tracks the live
     # tensors (glibc's default keeps freed blocks of up to 32 MiB in the heap).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    with tempfile.TemporaryDirectory() as out:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=worker, args=(r, 2, args, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise SystemExit("a rank failed")
-        report([torch.load(f"{out}/rank{r}.pt", weights_only=False) for r in range(2)], args)
-
+    report(run_ranks(worker, 2, args), args)
 
 if __name__ == "__main__":
     main()
