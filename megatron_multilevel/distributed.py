@@ -4,6 +4,7 @@ NCCL on GPU, gloo on CPU. Megatron needs both initialised even for a single proc
 """
 
 import os
+import tempfile
 from typing import Optional
 
 import torch
@@ -49,6 +50,13 @@ def init_distributed(
             backend=default_backend(), init_method=init_method, rank=rank, world_size=world_size
         )
     set_tensor_model_parallel_size(tensor_model_parallel_size, seed=seed)
+
+
+def init_single_process() -> None:
+    """A one-rank process group for a tool's own process, unless one exists (file rendezvous: no
+    port that another run could hold)."""
+    if not dist.is_initialized():
+        init_distributed(1, init_method=f"file://{tempfile.mktemp(prefix='rdv-')}", rank=0, world_size=1)
 
 
 def set_tensor_model_parallel_size(tensor_model_parallel_size: int, *, seed: int = 1234) -> None:

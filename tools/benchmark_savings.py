@@ -130,13 +130,10 @@ def step_time_ratios(base: dict, *, steps: int = 6) -> dict:
 
     warnings.filterwarnings("ignore")
     from megatron_multilevel.config import ModelConfig, coarse_model_config
-    from megatron_multilevel.distributed import init_distributed
+    from megatron_multilevel.distributed import init_single_process
     from megatron_multilevel.models import build_model, language_model_loss
 
-    import tempfile
-
-    rdv = tempfile.mktemp()
-    init_distributed(1, init_method=f"file://{rdv}", rank=0, world_size=1)
+    init_single_process()
     fine = ModelConfig(**base["model"])
     levels = {"fine": fine, "coarse (width+depth)": coarse_model_config(fine, width=True, depth=True),
               "half depth (stacking)": coarse_model_config(fine, width=False, depth=True)}

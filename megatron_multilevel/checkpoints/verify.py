@@ -1,6 +1,5 @@
 """Self-checks of checkpoint conversions: exact tensor round trips and logits on a fixed input."""
 
-import tempfile
 from typing import Optional
 
 import torch
@@ -13,16 +12,6 @@ from megatron_multilevel.config_parsing import parse_dataclass
 LOGITS_TOLERANCE = 1e-4
 
 
-def init_single_process() -> None:
-    """A one-rank process group for building models in the tool's own process."""
-    import torch.distributed as dist
-
-    from megatron_multilevel.distributed import init_distributed
-
-    if not dist.is_initialized():
-        init_distributed(1, init_method=f"file://{tempfile.mktemp(prefix='rdv-')}", rank=0, world_size=1)
-
-
 def fixed_tokens(cfg: ModelConfig) -> torch.Tensor:
     seq = min(16, cfg.max_sequence_length)
     return torch.randint(0, cfg.vocab_size, (2, seq), generator=torch.Generator().manual_seed(1234))
@@ -30,7 +19,7 @@ def fixed_tokens(cfg: ModelConfig) -> torch.Tensor:
 
 def logits_full(tensors: dict, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of full tensors in a TP=1 Megatron model, in this process."""
-    from megatron_multilevel.distributed import set_tensor_model_parallel_size
+    from megatron_multilevel.distributed import init_single_process, set_tensor_model_parallel_size
     from megatron_multilevel.models import build_model, load_parameters, model_logits
 
     init_single_process()
