@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_multilevel.training.metrics import read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = ROOT / "launch" / "pretrain_vcycle.sh"
 
@@ -94,11 +96,9 @@ def launch(*args, env: "dict | None" = None, timeout: float = 600) -> subprocess
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
-    with open(run_dir / "metrics.jsonl") as f:
-        return [r for r in map(json.loads, f) if r["type"] == kind]
+    return [r for r in read_metrics(run_dir) if r["type"] == kind]
 
 
 def losses(run_dir: Path) -> list[tuple]:
     """(type, global step, loss) of every train and valid record."""
-    with open(run_dir / "metrics.jsonl") as f:
-        return [(r["type"], r["global_step"], r["loss"]) for r in map(json.loads, f) if r["type"] in ("train", "valid")]
+    return [(r["type"], r["global_step"], r["loss"]) for r in read_metrics(run_dir) if r["type"] in ("train", "valid")]

@@ -168,10 +168,10 @@ def step_time_ratios(base: dict, *, steps: int = 6) -> dict:
 
 def collect(out_dir: str, names: list[str], repeats: int) -> dict:
     from megatron_multilevel.benchmarking import run_savings, summarize
+    from megatron_multilevel.training.metrics import read_metrics
 
     def records(name, r):
-        with open(os.path.join(out_dir, "runs", f"{name}-r{r}", "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f if line.strip()]
+        return read_metrics(os.path.join(out_dir, "runs", f"{name}-r{r}"))
 
     baseline = "scratch" if "scratch" in names else next(n for n in names if n.startswith("scratch"))
     per_run = {name: [] for name in names}
@@ -221,11 +221,9 @@ def table(results: dict) -> str:
 
 def plots(out_dir: str, names: list[str], target: float) -> list[str]:
     from megatron_multilevel.plotting import plot_validation
+    from megatron_multilevel.training.metrics import read_metrics
 
-    runs = {}
-    for name in names:
-        with open(os.path.join(out_dir, "runs", f"{name}-r0", "metrics.jsonl")) as f:
-            runs[name] = [json.loads(line) for line in f if line.strip()]
+    runs = {name: read_metrics(os.path.join(out_dir, "runs", f"{name}-r0")) for name in names}
     return plot_validation(runs, out_dir, target=target)
 
 

@@ -9,7 +9,6 @@ wall-clock seconds (training and transitions), with the level of each phase shad
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,16 +22,15 @@ def main(argv=None) -> int:
     parser.add_argument("--labels", nargs="*", default=None, help="legend labels, one per run")
     args = parser.parse_args(argv)
     from megatron_multilevel.plotting import plot_runs
+    from megatron_multilevel.training.metrics import METRICS_FILE, read_metrics
 
     runs = {}
     for i, run in enumerate(args.runs):
-        path = os.path.join(run, "metrics.jsonl")
-        if not os.path.exists(path):
-            print(f"error: {path} does not exist", file=sys.stderr)
+        if not os.path.exists(os.path.join(run, METRICS_FILE)):
+            print(f"error: {os.path.join(run, METRICS_FILE)} does not exist", file=sys.stderr)
             return 2
-        with open(path) as f:
-            label = args.labels[i] if args.labels and i < len(args.labels) else os.path.basename(os.path.normpath(run))
-            runs[label] = [json.loads(line) for line in f if line.strip()]
+        label = args.labels[i] if args.labels and i < len(args.labels) else os.path.basename(os.path.normpath(run))
+        runs[label] = read_metrics(run)
     out = args.out or os.path.join(args.runs[0], "plots")
     for path in plot_runs(runs, out):
         print(path)

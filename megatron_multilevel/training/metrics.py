@@ -11,6 +11,15 @@ import time
 from typing import Optional
 
 
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """The records a run wrote, in order."""
+    with open(os.path.join(run_dir, METRICS_FILE)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def _hms(seconds: float) -> str:
     seconds = int(max(0, seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
@@ -19,7 +28,7 @@ def _hms(seconds: float) -> str:
 class Metrics:
     def __init__(self, output_dir: str, *, enabled: bool, resume_global_step: Optional[int] = None):
         self.enabled = enabled
-        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.path = os.path.join(output_dir, METRICS_FILE)
         self.started = time.time()
         self.tb = None
         if not enabled:
