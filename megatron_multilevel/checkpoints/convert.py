@@ -60,6 +60,12 @@ def _require(ok: bool, what: str) -> None:
         raise VerificationError(f"verification failed: {what}")
 
 
+def _check_round_trip(what: str, bad: list[str]) -> None:
+    """Say whether a round trip gave back the same tensors bit for bit (``bad``: those it did not)."""
+    print(f"round trip: {what} bit for bit: {'yes' if not bad else 'NO ' + str(bad[:4])}")
+    _require(not bad, f"round trip {what}: tensors differ: {bad[:4]}")
+
+
 def to_full(src: str, out: str, *, fmt: str = "safetensors", overwrite: bool = False) -> None:
     prepare_output(out, overwrite, src)
     source = load_source(src)
@@ -70,9 +76,8 @@ def to_full(src: str, out: str, *, fmt: str = "safetensors", overwrite: bool = F
         tp = len(source.rank_shards)
         bad = [n for r, sd in enumerate(source.rank_shards) for n, t in sd.items()
                if not torch.equal(shard(source.tensors[n], plan.rule(n)[1], r, tp), t)]
-        print(f"round trip: the full tensors, split again over {tp} tensor-parallel rank(s), equal the source "
-              f"shards bit for bit: {'yes' if not bad else 'NO ' + str(bad[:4])}")
-        _require(not bad, f"shards differ after the round trip: {bad[:4]}")
+        _check_round_trip(f"the full tensors, split again over {tp} tensor-parallel rank(s), equal the source shards",
+                          bad)
         source_logits = (verify.logits_full(source.rank_shards[0], source.model, tokens) if tp == 1
                          else verify.logits_in_layout(source.rank_shards, source.model, tokens))
         _require(verify.compare([(f"source (TP={tp})", "consolidated (TP=1)", source_logits, full_logits)]),
@@ -91,9 +96,7 @@ def coalesce_checkpoint(src: str, out: str, *, width: bool, depth: bool, width_p
                         tensor_model_parallel_size=tensor_model_parallel_size)
     coarse = coalesce(source.tensors, lm)
     again = coalesce(decoalesce(coarse, lm), lm)
-    bad = verify.mismatched(coarse, again)
-    print(f"round trip: coalesce(decoalesce(coarse)) == coarse bit for bit: {'yes' if not bad else 'NO'}")
-    _require(not bad, f"coalesce(decoalesce(x)) != x for {bad[:4]}")
+    _check_round_trip("coalesce(decoalesce(coarse)) == coarse", verify.mismatched(coarse, again))
     tokens = verify.fixed_tokens(source.model)
     coarse_logits = verify.logits_full(coarse, lm.coarse, tokens)
     rows = [("source (fine)", "coalesced (coarse)", verify.logits_full(source.tensors, source.model, tokens),
@@ -129,9 +132,7 @@ def decoalesce_checkpoint(src: str, out: str, *, level_map: Optional[str], fmt: 
                          f"{lm.coarse.num_layers} layers x {lm.coarse.hidden_size}, the checkpoint has "
                          f"{source.model.num_layers} x {source.model.hidden_size}")
     fine = decoalesce(source.tensors, lm)
-    bad = verify.mismatched(coalesce(fine, lm), source.tensors)
-    print(f"round trip: coalesce(decoalesce(x)) == x bit for bit: {'yes' if not bad else 'NO'}")
-    _require(not bad, f"coalesce(decoalesce(x)) != x for {bad[:4]}")
+    _check_round_trip("coalesce(decoalesce(x)) == x", verify.mismatched(coalesce(fine, lm), source.tensors))
     tokens = verify.fixed_tokens(source.model)
     rows = [("source (coarse)", "de-coalesced (fine)", verify.logits_full(source.tensors, source.model, tokens),
              verify.logits_full(fine, lm.fine, tokens))]
@@ -183,9 +184,8 @@ def to_hf(src: str, out: str, *, overwrite: bool) -> None:
     check_exportable(source.model)
     prepare_output(out, overwrite, src)
     hf_sd = to_hf_state_dict(source.tensors, source.model)
-    bad = verify.mismatched(from_hf_state_dict(hf_sd, source.model), source.tensors)
-    print(f"round trip: Megatron -> Hugging Face -> Megatron tensors bit for bit: {'yes' if not bad else 'NO'}")
-    _require(not bad, f"tensors differ after the round trip: {bad[:4]}")
+    _check_round_trip("Megatron -> Hugging Face -> Megatron tensors",
+                      verify.mismatched(from_hf_state_dict(hf_sd, source.model), source.tensors))
     model = hf_model(source.model, hf_sd)
     tokens = verify.fixed_tokens(source.model)
     rows = [("Megatron (source)", f"transformers {type(model).__name__}",
@@ -196,26 +196,23 @@ def to_hf(src: str, out: str, *, overwrite: bool) -> None:
 
 
 def from_hf(src: str, out: str, *, fmt: str, overwrite: bool) -> None:
-    from megatron_multilevel.checkpoints.hf import from_hf_state_dict, hf_logits, hf_model, model_config_from_hf, to_hf_state_dict
+    from megatron_multilevel.checkpoints.hf import (
+        from_hf_state_dict, hf_logits, hf_model_class, model_config_from_hf, to_hf_state_dict)
 
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise ValueError(f"{src} is not a Hugging Face checkpoint directory (no config.json)")
     prepare_output(out, overwrite, src)
     _quiet_transformers()
-    from transformers import AutoConfig, GPT2LMHeadModel, MegatronBertForMaskedLM
+    from transformers import AutoConfig
 
     hf_cfg = AutoConfig.from_pretrained(src, local_files_only=True)
-    cls = {"gpt2": GPT2LMHeadModel, "megatron-bert": MegatronBertForMaskedLM}.get(hf_cfg.model_type)
-    if cls is None:
-        raise ValueError(f"Hugging Face model type {hf_cfg.model_type!r} is not supported; valid: ['gpt2', 'megatron-bert']")
-    model = cls.from_pretrained(src, local_files_only=True).eval()
+    model = hf_model_class(hf_cfg.model_type).from_pretrained(src, local_files_only=True).eval()
     hf_sd = {k: v.detach().float() for k, v in model.state_dict().items()}
     cfg = model_config_from_hf(hf_cfg, hf_sd)
     tensors = from_hf_state_dict(hf_sd, cfg)
     back = to_hf_state_dict(tensors, cfg)
     bad = [k for k in back if k in hf_sd and not torch.equal(back[k], hf_sd[k])]
-    print(f"round trip: Hugging Face -> Megatron -> Hugging Face tensors bit for bit: {'yes' if not bad else 'NO'}")
-    _require(not bad, f"tensors differ after the round trip: {bad[:4]}")
+    _check_round_trip("Hugging Face -> Megatron -> Hugging Face tensors", bad)
     tokens = verify.fixed_tokens(cfg)
     rows = [(f"transformers {type(model).__name__} (source)", "Megatron", hf_logits(model, cfg, tokens).float(),
              verify.logits_full(tensors, cfg, tokens))]

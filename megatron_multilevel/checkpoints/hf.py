@@ -17,6 +17,21 @@ import torch
 from megatron_multilevel.config import ModelConfig
 
 GPT_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
+MODEL_TYPES = {"gpt": "gpt2", "bert": "megatron-bert"}  # our model kind -> Hugging Face model type
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "megatron-bert": "MegatronBertForMaskedLM"}
+
+
+def check_model_type(model_type: str) -> None:
+    if model_type not in HF_CLASSES:
+        raise ValueError(f"Hugging Face model type {model_type!r} is not supported; valid: {sorted(HF_CLASSES)}")
+
+
+def hf_model_class(model_type: str):
+    """The ``transformers`` class of a Hugging Face model type this project exchanges with."""
+    check_model_type(model_type)
+    import transformers
+
+    return getattr(transformers, HF_CLASSES[model_type])
 
 
 def check_exportable(cfg: ModelConfig) -> None:
@@ -37,7 +52,7 @@ def check_exportable(cfg: ModelConfig) -> None:
         checks.append((not cfg.add_binary_head, "add_binary_head", cfg.add_binary_head, False))
     for ok, key, value, needed in checks:
         if not ok:
-            target = "GPT2LMHeadModel" if cfg.kind == "gpt" else "MegatronBertForMaskedLM"
+            target = HF_CLASSES[MODEL_TYPES[cfg.kind]]
             raise ValueError(f"cannot export to Hugging Face {target}: model.{key} is {value!r}, it needs {needed!r}")
 
 
@@ -67,6 +82,7 @@ def hf_config(cfg: ModelConfig):
 def model_config_from_hf(hf, hf_sd: Optional[dict] = None) -> ModelConfig:
     """Our model config of a Hugging Face GPT-2 or Megatron-BERT config (and state dict: a single
     all-zero token-type embedding is what a BERT without segments exports as)."""
+    check_model_type(hf.model_type)
     if hf.model_type == "gpt2":
         act = {v: k for k, v in GPT_ACTIVATIONS.items()}.get(hf.activation_function)
         if act is None:
@@ -78,21 +94,19 @@ def model_config_from_hf(hf, hf_sd: Optional[dict] = None) -> ModelConfig:
             activation=act, layernorm_epsilon=hf.layer_norm_epsilon,
             share_embeddings_and_output_weights=hf.tie_word_embeddings,
         )
-    if hf.model_type == "megatron-bert":
-        if hf.hidden_act != "gelu":
-            raise ValueError(f"Megatron-BERT activation {hf.hidden_act!r} is not supported; it needs 'gelu'")
-        tokentypes = hf.type_vocab_size
-        segments = None if hf_sd is None else hf_sd.get("bert.embeddings.token_type_embeddings.weight")
-        if tokentypes == 1 and segments is not None and not segments.any():
-            tokentypes = 0
-        return ModelConfig(
-            kind="bert", num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
-            num_attention_heads=hf.num_attention_heads, ffn_hidden_size=hf.intermediate_size,
-            vocab_size=hf.vocab_size, max_sequence_length=hf.max_position_embeddings,
-            num_tokentypes=tokentypes, layernorm_epsilon=hf.layer_norm_eps,
-            share_embeddings_and_output_weights=hf.tie_word_embeddings,
-        )
-    raise ValueError(f"Hugging Face model type {hf.model_type!r} is not supported; valid: ['gpt2', 'megatron-bert']")
+    if hf.hidden_act != "gelu":  # megatron-bert
+        raise ValueError(f"Megatron-BERT activation {hf.hidden_act!r} is not supported; it needs 'gelu'")
+    tokentypes = hf.type_vocab_size
+    segments = None if hf_sd is None else hf_sd.get("bert.embeddings.token_type_embeddings.weight")
+    if tokentypes == 1 and segments is not None and not segments.any():
+        tokentypes = 0
+    return ModelConfig(
+        kind="bert", num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
+        num_attention_heads=hf.num_attention_heads, ffn_hidden_size=hf.intermediate_size,
+        vocab_size=hf.vocab_size, max_sequence_length=hf.max_position_embeddings,
+        num_tokentypes=tokentypes, layernorm_epsilon=hf.layer_norm_eps,
+        share_embeddings_and_output_weights=hf.tie_word_embeddings,
+    )
 
 
 def _qkv_to_separate(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -208,10 +222,7 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
 
 def hf_model(cfg: ModelConfig, sd: Optional[dict] = None):
     """A ``transformers`` model of ``cfg`` (random weights, or ``sd`` in Hugging Face names), eval mode."""
-    from transformers import GPT2LMHeadModel, MegatronBertForMaskedLM
-
-    cls = GPT2LMHeadModel if cfg.kind == "gpt" else MegatronBertForMaskedLM
-    model = cls(hf_config(cfg))
+    model = hf_model_class(MODEL_TYPES[cfg.kind])(hf_config(cfg))
     if sd is not None:
         result = model.load_state_dict(sd, strict=False)
         unexpected = list(result.unexpected_keys)

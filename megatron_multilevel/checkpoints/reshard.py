@@ -9,18 +9,17 @@ with the consolidated model's.
 """
 
 import copy
-import dataclasses
 import json
 import os
 import shutil
 
-import torch
 
 from megatron_multilevel.checkpoints import verify
 from megatron_multilevel.checkpoints.deepspeed_reader import merge_tensor_parallel, open_checkpoint, rank_state_dicts
 from megatron_multilevel.checkpoints.full import prepare_output
 from megatron_multilevel.config import config_to_dict, load_config
 from megatron_multilevel.training.checkpoint import checkpoint_dir, read_latest, state_of
+from megatron_multilevel.training.metrics import METRICS_FILE
 
 
 def _rank_worker(rank, world, config_dict, out, items, tokens):
@@ -97,8 +96,7 @@ def reshard(src: str, out: str, *, target_tp: int, overwrite: bool = False) -> N
         raise RuntimeError("verification failed: the resharded checkpoint's logits differ")
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config_to_dict(parsed), f, indent=1)
-    for name in ("metrics.jsonl",):
-        if os.path.exists(os.path.join(src, name)):
-            shutil.copy(os.path.join(src, name), os.path.join(out, name))
+    if os.path.exists(os.path.join(src, METRICS_FILE)):  # the run's history continues in the new directory
+        shutil.copy(os.path.join(src, METRICS_FILE), os.path.join(out, METRICS_FILE))
     print(f"wrote {out}: {len(tags)} checkpoint(s) at TP={target_tp}; continue with\n"
           f"  launch/pretrain_vcycle.sh {os.path.join(out, 'config.json')} --num_gpus {target_tp}")
