@@ -36,11 +36,11 @@ def run_savings(records: list[dict], baseline_records: list[dict]) -> dict:
     """Cost to reach the baseline's final validation loss, and the saving against the baseline."""
     target = fine_curve(baseline_records, "flops")[-1][1]
     out = {"target_loss": target, "final_valid_loss": fine_curve(records, "flops")[-1][1]}
-    for axis, name in (("flops", "flops"), ("seconds", "seconds")):
+    for axis in ("flops", "seconds"):
         cost = first_crossing(fine_curve(records, axis), target)
         base = first_crossing(fine_curve(baseline_records, axis), target)
-        out[f"{name}_to_target"] = cost
-        out[f"saving_{name}"] = None if cost is None else 1.0 - cost / base
+        out[f"{axis}_to_target"] = cost
+        out[f"saving_{axis}"] = None if cost is None else 1.0 - cost / base
     return out
 
 

@@ -76,8 +76,14 @@ def variants(args, base: dict) -> dict[str, dict]:
     for lr in args.scratch_lr or [size["fine_lr"]]:
         name = "scratch" if not args.scratch_lr or len(args.scratch_lr) == 1 else f"scratch-lr{lr:g}"
         out[name] = variant_configs(base, fine_lr=lr, **common)["scratch"]
-    main = variant_configs(base, fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0],
-                           alpha=args.alpha[0], depth_scaling=args.depth_scaling, shape=args.shape, **common)
+    given = dict(fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
+                 depth_scaling=args.depth_scaling, shape=args.shape, **common)
+
+    def methods(**change) -> dict[str, dict]:
+        """The compared methods with the settings given, but for ``change``."""
+        return variant_configs(base, **{**given, **change})
+
+    main = methods()
     for name in ("vcycle2", "vcycle3", "stacking"):
         if name in args.methods:
             out[name] = main[name]
@@ -85,24 +91,15 @@ def variants(args, base: dict) -> dict[str, dict]:
     sweeps += [("ea", e, dict(ea=e)) for e in args.ea[1:]]
     sweeps += [("coarse", c, dict(coarse_share=c)) for c in args.coarse_share[1:]]
     for key, value, change in sweeps:
-        kw = dict(ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
-                  depth_scaling=args.depth_scaling, shape=args.shape)
-        kw.update(change)
-        out[f"vcycle2-{key}{value:g}"] = variant_configs(base, fine_lr=size["fine_lr"], **kw, **common)["vcycle2"]
+        out[f"vcycle2-{key}{value:g}"] = methods(**change)["vcycle2"]
     if args.paper_variant:  # the paper's settings, beside the ones given
-        out["vcycle2-paper"] = variant_configs(
-            base, fine_lr=size["fine_lr"], ea=0.05, coarse_share=0.5, alpha=args.alpha[0], depth_scaling="none",
-            **common)["vcycle2"]
+        out["vcycle2-paper"] = methods(ea=0.05, coarse_share=0.5, depth_scaling="none", shape="width+depth")["vcycle2"]
     if args.compare_depth_scaling:
         other = "none" if args.depth_scaling == "ode" else "ode"
-        out[f"vcycle2-{other}"] = variant_configs(
-            base, fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
-            depth_scaling=other, shape=args.shape, **common)["vcycle2"]
+        out[f"vcycle2-{other}"] = methods(depth_scaling=other)["vcycle2"]
     for shape in args.extra_shapes:
         if shape != args.shape:
-            out[f"vcycle2-{shape}"] = variant_configs(
-                base, fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
-                depth_scaling=args.depth_scaling, shape=shape, **common)["vcycle2"]
+            out[f"vcycle2-{shape}"] = methods(shape=shape)["vcycle2"]
     return out
 
 
