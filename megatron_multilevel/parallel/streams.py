@@ -47,14 +47,17 @@ class Groups:
         )
 
 
-def _split_names(names, cfg: ModelConfig) -> tuple[list[str], list[list[str]]]:
-    """Parameter names outside the layers, and per layer (full names), in a fixed order."""
+def _split_names(names, cfg: ModelConfig) -> tuple[list[str], list[str]]:
+    """Parameter names outside the layers (full names), and those of every layer (relative to the
+    layer's prefix: every layer has the same), in a fixed order."""
     plan = parameter_plan(cfg)
     model, layers = [], [[] for _ in range(cfg.num_layers)]
     for name in names:
         layer, _ = plan.rule(name)
         (model if layer is None else layers[layer]).append(name)
-    return model, layers
+    relative = [[n[len(layer_prefix(cfg, i)):] for n in names] for i, names in enumerate(layers)]
+    assert all(r == relative[0] for r in relative), "every layer has the same parameters"
+    return model, relative[0]
 
 
 def _inner_torch_optimizer(optimizer):
@@ -130,12 +133,7 @@ class ModelReader(_ModelStream):
 
     def __init__(self, module, cfg: ModelConfig, groups: Groups, **kwargs):
         super().__init__(module, cfg, groups, **kwargs)
-        self.model_names, layer_names = _split_names(self.params, cfg)
-        prefix = layer_prefix(cfg, 0)
-        self.layer_names = [n[len(prefix):] for n in layer_names[0]]
-        assert all(
-            [n[len(layer_prefix(cfg, i)):] for n in names] == self.layer_names for i, names in enumerate(layer_names)
-        ), "every layer has the same parameters"
+        self.model_names, self.layer_names = _split_names(self.params, cfg)
 
     def read_model(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         return {name: self._read(name) for name in names}
@@ -305,9 +303,7 @@ class TensorsReader:
 
     def __init__(self, tensors: dict[str, torch.Tensor], cfg: ModelConfig):
         self.tensors, self.cfg = tensors, cfg
-        self.model_names, layer_names = _split_names(tensors, cfg)
-        prefix = layer_prefix(cfg, 0)
-        self.layer_names = [n[len(prefix):] for n in layer_names[0]]
+        self.model_names, self.layer_names = _split_names(tensors, cfg)
 
     def read_model(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         return {name: self.tensors[name] for name in names}

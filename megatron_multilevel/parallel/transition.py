@@ -314,8 +314,9 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
                     perturbation_std: float = 0.0, seed: int = 0) -> None:
     """De-coalesce and interpolate parameter by parameter."""
     for name in coarse_reader.model_names:
-        decoalesced = decoalesce_model_params(coarse_reader.read_model([name]), level_map)
-        values = decoalesced if before_reader is None else interpolate(before_reader.read_model([name]), decoalesced, alpha)
+        values = decoalesce_model_params(coarse_reader.read_model([name]), level_map)
+        if before_reader is not None:  # None when growing (alpha 1): nothing to interpolate with
+            values = interpolate(before_reader.read_model([name]), values, alpha)
         writer.write_model(_perturb(values, perturbation_std, seed, "model"))
     fine_of = {}
     for j in range(level_map.fine.num_layers):
@@ -324,7 +325,7 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
         for name in coarse_reader.layer_names:
             decoalesced = decoalesce_layer(coarse_reader.read_layer(k, [name]), level_map)
             for j in fine_of[k]:
-                if before_reader is None:  # growing: nothing to interpolate with (alpha is 1)
+                if before_reader is None:  # growing (alpha 1); a copy per fine layer: the writer adopts tensors
                     values = {n: t.clone() for n, t in decoalesced.items()}
                 else:
                     values = interpolate(before_reader.read_layer(j, [name]), decoalesced, alpha)
