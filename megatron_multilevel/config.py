@@ -173,18 +173,36 @@ class LRConfig:
 
 
 @dataclass
+class VisitConfig:
+    """The steps and schedule of one visit of a level in the cycle."""
+
+    steps: int = 0
+    """Steps trained in this visit."""
+    lr: LRConfig = field(default_factory=LRConfig)
+    """Schedule of those steps."""
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError(f"multilevel.levels[*].visits[*].steps must be >= 0, got {self.steps}")
+
+
+@dataclass
 class LevelConfig:
-    """One level of the V-cycle (level 0 is the fine model)."""
+    """One level of the cycle (level 0 is the fine model)."""
 
     steps_before: int = 0
-    """Steps trained at this level before coalescing it (``E_a``); the coarsest level's only steps."""
+    """Steps of every visit of this level that ends by coalescing it (the paper's ``E_a``), and
+    of every visit of the coarsest level."""
     lr_before: LRConfig = field(default_factory=LRConfig)
-    """Schedule of the steps before coalescing."""
+    """Schedule of the steps before coalescing (and of the coarsest level)."""
     steps_after: int = 0
-    """Steps trained at this level after de-coalescing the next one back into it (0 for the
-    coarsest level)."""
+    """Steps of every visit that ends by de-coalescing into the finer level, or ends the run
+    (0 for the coarsest level)."""
     lr_after: Optional[LRConfig] = None
     """Schedule of the steps after de-coalescing; null means ``lr_before``."""
+    visits: Optional[list[VisitConfig]] = None
+    """Steps and schedule of each visit of this level, in the order the cycle makes them, instead
+    of the rule above; one entry per visit (a W-cycle visits a level several times). Null: the rule."""
     alpha: Optional[float] = None
     """Interpolation weight when this level is rebuilt from the next; null means
     ``multilevel.alpha``."""
@@ -208,12 +226,12 @@ class LevelConfig:
 
 @dataclass
 class MultilevelConfig:
-    """The operators and the shape of the V-cycle."""
+    """The operators and the shape of the cycle over the levels."""
 
     enabled: bool = False
-    """Run the V-cycle; false trains the fine model from scratch (the baseline)."""
+    """Run the cycle; false trains the fine model from scratch (the baseline)."""
     num_levels: int = 2
-    """Number of levels of the V-cycle, the fine model included (2 or more)."""
+    """Number of levels of the cycle, the fine model included (2 or more)."""
     coalesce_width: bool = True
     """Halve hidden size, heads, query groups and FFN width at each level."""
     coalesce_depth: bool = True
@@ -228,10 +246,18 @@ class MultilevelConfig:
     residual-branch outputs (attention and FFN output projections)."""
     alpha: float = 0.5
     """Interpolation weight of the de-coalesced model: ``(1 - alpha) * before + alpha * decoalesced``."""
-    cycle: Literal["v", "grow"] = "v"
-    """``v``: the V-cycle (coalesce down from the fine model, then back up). ``grow``: only the way
-    up, from a freshly initialised coarsest model (growth methods such as progressive stacking:
-    depth only, ``depth_pairing = "halves"``, alpha 1)."""
+    cycle: Literal["v", "w", "f", "grow"] = "v"
+    """The walk over the levels (0 = fine). ``v``: the V-cycle, coalesce down from the fine model,
+    then back up (levels 0 1 0; 3 levels: 0 1 2 1 0). ``w``: the W-cycle (gamma 2): every level
+    but the coarsest trains three times, with a W-cycle of the coarser levels between each
+    (0 1 0 1 0; 3 levels: 0 1 2 1 2 1 0 1 2 1 2 1 0). ``f``: the F-cycle (full multigrid): the
+    coarsest level from a fresh initialisation, then each finer level in turn is grown into and a
+    V-cycle runs from it (1 0 1 0; 3 levels: 2 1 2 1 0 1 2 1 0). The first arrival at a level has
+    no model before coalescing to interpolate with, so it de-coalesces with alpha 1 (plus
+    ``perturbation_std`` noise) whatever ``alpha`` says, and AdamW starts afresh; every later
+    return interpolates. ``grow``: only the way up, from a freshly initialised coarsest model
+    (growth methods such as progressive stacking: depth only, ``depth_pairing = "halves"``,
+    alpha 1)."""
     levels: list[LevelConfig] = field(default_factory=list)
     """Schedule per level, finest first; exactly ``num_levels`` entries when enabled."""
     optimizer_state: Literal["reset", "map"] = "reset"
@@ -259,9 +285,8 @@ class MultilevelConfig:
                     f"{self.num_levels} needs one per level, finest first"
                 )
             if self.levels[-1].steps_after:
-                raise ValueError("multilevel.levels[-1].steps_after must be 0: the coarsest level trains once")
-            if self.levels[-1].steps_before <= 0:
-                raise ValueError("multilevel.levels[-1].steps_before must be positive")
+                raise ValueError("multilevel.levels[-1].steps_after must be 0: the coarsest level trains steps_before")
+            self._check_visits()
             if self.cycle == "grow":
                 for i, level in enumerate(self.levels[:-1]):
                     if level.steps_before:
@@ -271,6 +296,40 @@ class MultilevelConfig:
                             f"multilevel: cycle 'grow' has no model before coalescing to interpolate with; "
                             f"level {i} needs alpha 1.0, not {self.alpha_of(i)}"
                         )
+
+    def _check_visits(self) -> None:
+        visits = self.walk()
+        for i, level in enumerate(self.levels):
+            if level.visits is not None and len(level.visits) != visits.count(i):
+                raise ValueError(
+                    f"multilevel.levels[{i}].visits has {len(level.visits)} entries; cycle {self.cycle!r} over "
+                    f"{self.num_levels} levels visits level {i} {visits.count(i)} time(s), one entry per visit"
+                )
+        coarsest = self.levels[-1]
+        if coarsest.visits is None and coarsest.steps_before <= 0:
+            raise ValueError("multilevel.levels[-1].steps_before must be positive")
+        for j, visit in enumerate(coarsest.visits or []):
+            if visit.steps <= 0:
+                raise ValueError(f"multilevel.levels[-1].visits[{j}].steps must be positive: every visit of the "
+                                 f"coarsest level trains")
+
+    def walk(self) -> list[int]:
+        """The level of every visit of the cycle, in order."""
+        coarsest = self.num_levels - 1
+
+        def v(level: int) -> list[int]:
+            return [level] if level == coarsest else [level, *v(level + 1), level]
+
+        def w(level: int) -> list[int]:
+            return [level] if level == coarsest else [level, *w(level + 1), level, *w(level + 1), level]
+
+        if self.cycle == "v":
+            return v(0)
+        if self.cycle == "w":
+            return w(0)
+        if self.cycle == "f":
+            return [coarsest] + [visit for level in reversed(range(coarsest)) for visit in v(level)]
+        return list(reversed(range(self.num_levels)))
 
     def alpha_of(self, level: int) -> float:
         """Interpolation weight when ``level`` is rebuilt from ``level + 1``."""

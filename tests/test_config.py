@@ -14,6 +14,7 @@ from megatron_multilevel.config import (
     ParallelConfig,
     RunConfig,
     TrainingConfig,
+    VisitConfig,
     config_to_dict,
     load_config,
 )
@@ -36,8 +37,9 @@ ACCEPTED = {
     ],
     LevelConfig: [
         "alpha", "deepspeed", "lr_after", "lr_before", "steps_after", "steps_before",
-        "tensor_model_parallel_size",
+        "tensor_model_parallel_size", "visits",
     ],
+    VisitConfig: ["lr", "steps"],
     LRConfig: ["decay", "min_ratio", "peak", "warmup_steps"],
     DataConfig: [
         "cache_dir", "masking_probability", "num_workers", "prefix", "seq_length",

@@ -87,8 +87,8 @@ def test_one_process_v_cycle(reference):
         assert (run / "plots" / f"loss_vs_{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _crash_and_resume(tmp_path, corpus, crash_at):
-    config = _config(tmp_path, corpus, "run")
+def _crash_and_resume(tmp_path, corpus, crash_at, **blocks):
+    config = _config(tmp_path, corpus, "run", **blocks)
     crashed = launch(config, env={"MEGATRON_MULTILEVEL_CRASH_AT": crash_at})
     assert crashed.returncode != 0
     resumed = _ok(launch(config))
@@ -110,6 +110,57 @@ def _assert_close_to_reference(run, reference, tol):
     assert [r[:2] for r in ours] == [r[:2] for r in ref]
     for a, b in zip(ours, ref):
         assert a[2] == pytest.approx(b[2], abs=tol), (a, b)
+
+
+@pytest.fixture(scope="module")
+def w_reference(tmp_path_factory, corpus):
+    """An uninterrupted one-process GPT W-cycle over 2 levels: what its resumes must match."""
+    tmp = tmp_path_factory.mktemp("w_reference")
+    result = _ok(launch(_config(tmp, corpus, "run", multilevel={"cycle": "w"})))
+    return {"dir": tmp / "run", "stdout": result.stdout}
+
+
+def test_w_cycle(w_reference):
+    run, out = w_reference["dir"], w_reference["stdout"]
+    phases = json.loads((run / "summary.json").read_text())["phases"]
+    assert [p["level"] for p in phases] == [0, 1, 0, 1, 0]
+    assert [p["name"] for p in phases] == ["before", "coarsest", "before", "coarsest", "after"]
+    assert [p["steps"] for p in phases] == [3, 5, 3, 5, 5]
+    assert out.count("level 0 -> 1: coalesced") == 2
+    assert out.count("level 1 -> 0: de-coalesced and interpolated (alpha 0.5)") == 2
+    valid = records(run, "valid")
+    # every phase that starts by de-coalescing is scored at its step 0
+    assert [(r["phase"], r["global_step"]) for r in valid if r["step"] == 0] == [(2, 8), (4, 16)]
+    assert valid[-1]["loss"] < valid[0]["loss"] - 0.3
+    plot = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(run)], capture_output=True,
+                          text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+
+
+@pytest.mark.parametrize("crash_at", ["step14", "transition4"], ids=["second-coarse-visit", "during-last-prolong"])
+def test_w_cycle_resume_after_kill(w_reference, corpus, tmp_path, crash_at):
+    """Killed in the second coarse visit (phase 3, global steps 12-16) or de-coalescing after it:
+    the resume rebuilds level 0 as it was before its second coalescing (phase 2), not its first."""
+    run = _crash_and_resume(tmp_path, corpus, crash_at, multilevel={"cycle": "w"})
+    assert [r["phase"] for r in records(run, "resume")] == [3]
+    _assert_close_to_reference(run, w_reference, 1e-6)
+    assert json.loads((run / "summary.json").read_text())["phases"][-1]["valid_loss"] == pytest.approx(
+        json.loads((w_reference["dir"] / "summary.json").read_text())["phases"][-1]["valid_loss"], abs=1e-6
+    )
+
+
+def test_f_cycle(corpus, tmp_path):
+    """Full multigrid over 2 levels, mapping AdamW's moments: the first arrival at the fine level
+    grows it (alpha 1, AdamW afresh), the second interpolates and maps."""
+    config = _config(tmp_path, corpus, "run", multilevel={"cycle": "f", "optimizer_state": "map"})
+    out = _ok(launch(config)).stdout
+    phases = json.loads((tmp_path / "run" / "summary.json").read_text())["phases"]
+    assert [p["level"] for p in phases] == [1, 0, 1, 0]
+    assert [p["steps"] for p in phases] == [5, 3, 5, 5]
+    grown = out.index("level 1 -> 0: de-coalesced, grown (alpha 1.0)")
+    assert out.index("level 1 -> 0: de-coalesced and interpolated (alpha 0.5)") > grown
+    valid = records(tmp_path / "run", "valid")
+    assert valid[-1]["loss"] < valid[0]["loss"] - 0.3
 
 
 def test_two_processes_with_changing_layouts(reference, corpus, tmp_path):
@@ -198,6 +249,15 @@ def test_corrupt_dataset_and_other_model(reference, corpus, tmp_path):
                        "model.hidden_size=128")
     assert result.returncode == 1 and "is from a different model (" in result.stderr
     assert "model.hidden_size" in result.stderr
+
+
+def test_resume_refuses_another_walk(reference, corpus, tmp_path):
+    """The same steps per phase (3, 5, 5) over other levels (2, 1, 0 instead of 0, 1, 0)."""
+    levels = [{"steps_after": 5}, {"steps_after": 5}, {"steps_before": 3}]
+    config = _config(tmp_path, corpus, "run", multilevel={"cycle": "grow", "num_levels": 3, "alpha": 1.0,
+                                                          "levels": levels})
+    result = _pretrain(config, f"training.output_dir={reference['dir']}")
+    assert result.returncode == 1 and "follows a different schedule" in result.stderr, result.stderr[-3000:]
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path):

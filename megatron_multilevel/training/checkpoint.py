@@ -1,7 +1,7 @@
 """Checkpoints: DeepSpeed's own (every ZeRO format) plus a small JSON sidecar.
 
 ``<run>/checkpoints/<tag>/`` holds what ``engine.save_checkpoint`` writes, one
-``rng_rank<r>.pt`` per rank and ``multilevel.json``: the position in the V-cycle (phase, step,
+``rng_rank<r>.pt`` per rank and ``multilevel.json``: the position in the cycle (phase, step,
 global step), the level maps, where each coalesced level's pre-coalescing model is kept (the tag
 of its checkpoint), counters and the finished phases. ``<run>/checkpoints/latest`` names the last
 complete checkpoint and is replaced atomically after everything else is on disk, so a run killed
@@ -10,6 +10,7 @@ at any moment resumes from a complete checkpoint.
 
 import json
 import os
+import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -32,7 +33,8 @@ class RunState:
     global_step: int = 0
     """Steps completed in the whole run (the position in the data)."""
     open_levels: dict = field(default_factory=dict)
-    """Coalesced levels not yet rebuilt: level -> tag of its checkpoint just before coalescing."""
+    """Coalesced levels not yet rebuilt: level -> tag of its checkpoint just before coalescing
+    (one per level: every cycle rebuilds a level before coalescing it again)."""
     counters: dict = field(default_factory=lambda: {
         "tokens": 0, "flops": 0.0, "train_seconds": 0.0, "transition_seconds": 0.0,
         "eval_seconds": 0.0, "checkpoint_seconds": 0.0,
@@ -45,6 +47,13 @@ class RunState:
 
 def tag_of(phase: int, step: int) -> str:
     return f"phase{phase:02d}-step{step:07d}"
+
+
+def phase_of(tag: str) -> int:
+    """The phase of a tag made by ``tag_of``."""
+    match = re.fullmatch(r"phase(\d+)-step\d+", tag)
+    assert match, f"not a checkpoint tag: {tag!r}"
+    return int(match.group(1))
 
 
 def checkpoint_dir(run_dir: str) -> str:

@@ -1,40 +1,84 @@
 """The phases of a run and the learning rate within each.
 
-Training from scratch is one phase. A K-level V-cycle is ``2K - 1`` phases: each finer level
+Training from scratch is one phase. Otherwise every visit of a level in the cycle
+(``MultilevelConfig.walk``) is a phase. A K-level V-cycle is ``2K - 1`` phases: each finer level
 trains ``steps_before`` (the paper's ``E_a``) and is coalesced into the next, the coarsest level
 trains, then every level is de-coalesced back in turn and trains ``steps_after``. A ``grow``
-cycle is the way up only: the coarsest level from scratch, then each finer one. AdamW and the
-learning-rate schedule restart at every phase (the paper's choice).
+cycle is the way up only: the coarsest level from scratch, then each finer one. W- and
+F-cycles use the same rule: a visit that ends by coalescing trains ``steps_before``, the
+coarsest level always does, every other visit trains ``steps_after``; ``levels[i].visits``
+replaces the rule. AdamW and the learning-rate schedule restart at every phase (the paper's
+choice).
 """
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
-from megatron_multilevel.config import LRConfig, RunConfig
+from megatron_multilevel.config import LevelConfig, LRConfig, RunConfig
+
+Arrival = Literal["fresh", "coalesce", "decoalesce", "grow"]
 
 
 @dataclass(frozen=True)
 class Phase:
+    """One visit of a level: what it trains, for how long, and how the model gets there."""
+
     index: int
     level: int
     steps: int
     lr: LRConfig
-    name: str  # "scratch", "before" (then coalesced), "coarsest", "after" (de-coalesced into)
+    name: str
+    """``scratch``, ``before`` (ends by coalescing), ``coarsest`` or ``after`` (ends by de-coalescing,
+    or ends the run)."""
+    visit: int
+    """How many earlier phases trained this level."""
+    arrival: Arrival
+    """How the model gets here: initialised (or loaded), by coalescing the finer level, by
+    de-coalescing the coarser one and interpolating with this level's model from before it was
+    coalesced, or by de-coalescing with nothing to interpolate with (growing, alpha 1)."""
 
 
 def build_phases(cfg: RunConfig) -> list[Phase]:
     ml = cfg.multilevel
     if not ml.enabled:
-        return [Phase(0, 0, cfg.training.train_steps, cfg.training.lr, "scratch")]
-    k = ml.num_levels
-    specs = []
-    if ml.cycle == "v":
-        specs += [(level, ml.levels[level].steps_before, ml.levels[level].lr_before, "before") for level in range(k - 1)]
-    specs.append((k - 1, ml.levels[k - 1].steps_before, ml.levels[k - 1].lr_before, "coarsest"))
-    for level in reversed(range(k - 1)):
-        lv = ml.levels[level]
-        specs.append((level, lv.steps_after, lv.lr_after or lv.lr_before, "after"))
-    return [Phase(i, *spec) for i, spec in enumerate(specs)]
+        return [Phase(0, 0, cfg.training.train_steps, cfg.training.lr, "scratch", visit=0, arrival="fresh")]
+    walk = ml.walk()
+    coarsest = ml.num_levels - 1
+    phases, coalesced = [], set()
+    for i, level in enumerate(walk):
+        following = walk[i + 1] if i + 1 < len(walk) else None
+        name = "coarsest" if level == coarsest else "before" if following == level + 1 else "after"
+        visit = walk[:i].count(level)
+        steps, lr = _visit_schedule(ml.levels[level], name, visit)
+        arrival = _arrival(walk[i - 1] if i else None, level, coalesced)
+        phases.append(Phase(i, level, steps, lr, name, visit=visit, arrival=arrival))
+    return phases
+
+
+def _visit_schedule(lv: LevelConfig, name: str, visit: int) -> tuple[int, LRConfig]:
+    """Steps and schedule of ``visit`` of a level, a phase called ``name``."""
+    if lv.visits is not None:
+        return lv.visits[visit].steps, lv.visits[visit].lr
+    if name == "after":
+        return lv.steps_after, lv.lr_after or lv.lr_before
+    return lv.steps_before, lv.lr_before
+
+
+def _arrival(previous: "int | None", level: int, coalesced: set) -> Arrival:
+    """How the walk reaches ``level`` from ``previous``; ``coalesced`` holds the levels whose
+    model before coalescing is kept, and is updated."""
+    if previous is None:
+        return "fresh"
+    assert abs(previous - level) == 1, (previous, level)
+    if level > previous:
+        assert previous not in coalesced, f"level {previous} is coalesced twice without being rebuilt"
+        coalesced.add(previous)
+        return "coalesce"
+    if level in coalesced:
+        coalesced.remove(level)
+        return "decoalesce"
+    return "grow"
 
 
 def lr_factor(step: int, total: int, lr: LRConfig) -> float:

@@ -1,9 +1,10 @@
-"""The training driver: from scratch (multilevel disabled) or a V-cycle, GPT or BERT.
+"""The training driver: from scratch (multilevel disabled) or a V-, W-, F- or grow cycle, GPT or BERT.
 
 A run is a list of phases (``schedule.py``); between phases of different levels the model is
-coalesced or de-coalesced and interpolated (``parallel/transition.py``). Checkpoints are saved
-periodically and at the end of every phase, so that a killed run, transition included, resumes
-from the last one and follows the same trajectory.
+coalesced, or de-coalesced and interpolated with the level's model from before it was coalesced
+(``parallel/transition.py``). Checkpoints are saved periodically and at the end of every phase,
+so that a killed run, transition included, resumes from the last one and follows the same
+trajectory.
 """
 
 import gc
@@ -85,8 +86,8 @@ class Trainer:
                 f"the checkpoint in {self.run_dir} is from a different model (model.{', model.'.join(diff)} "
                 f"differ); use another training.output_dir"
             )
-        saved = [p["steps"] for p in sidecar["config_phases"]] if "config_phases" in sidecar else None
-        if saved is not None and saved != [p.steps for p in self.phases]:
+        saved = sidecar.get("config_phases")
+        if saved is not None and [(p["level"], p["steps"]) for p in saved] != [(p.level, p.steps) for p in self.phases]:
             raise ValueError(f"the checkpoint in {self.run_dir} follows a different schedule; use another training.output_dir")
 
     def _start(self) -> RunState:
@@ -117,8 +118,10 @@ class Trainer:
         return state
 
     def _snapshot_from_checkpoint(self, level: int, tag: str):
-        """Rebuild the pre-coalescing snapshot of ``level`` from its checkpoint."""
-        phase = next(p for p in self.phases if p.level == level and p.name == "before")
+        """Rebuild the pre-coalescing snapshot of ``level`` from its checkpoint, saved at the end of
+        the phase that was coalesced."""
+        phase = self.phases[checkpoint.phase_of(tag)]
+        assert phase.level == level and phase.name == "before", (level, tag, phase)
         engine = self._engine(self.levels.build_empty_model(level), phase)
         mapped = self.cfg.multilevel.optimizer_state == "map"
         checkpoint.load(engine, self.run_dir, tag, module_only=not mapped, restore_rng=False)
@@ -281,6 +284,7 @@ class Trainer:
         old = self.engine
         ds = self.levels.ds_config(nxt.level, nxt.lr.peak)
         if nxt.level > phase.level:
+            assert phase.level not in self.snapshots, f"level {phase.level} is coalesced twice without being rebuilt"
             staged, before = coarsen(
                 old.module, self.level_maps[phase.level], fine_layout=self.levels.layout(phase.level),
                 coarse_layout=self.levels.layout(nxt.level), ds_config=ds, optimizer=old.optimizer,
@@ -290,14 +294,19 @@ class Trainer:
             self.state.open_levels[phase.level] = end_tag
             what = "coalesced"
         else:
+            before = self.snapshots.pop(nxt.level, None)
+            assert (before is None) == (nxt.arrival == "grow"), (nxt, sorted(self.snapshots))
+            # growing: no model of this level to interpolate with, nor fine moments to map
+            alpha = 1.0 if before is None else ml.alpha_of(nxt.level)
             staged = prolong(
-                old.module, self.snapshots.pop(nxt.level, None), self.level_maps[nxt.level], ml.alpha_of(nxt.level),
+                old.module, before, self.level_maps[nxt.level], alpha,
                 coarse_layout=self.levels.layout(phase.level), fine_layout=self.levels.layout(nxt.level),
-                ds_config=ds, optimizer=old.optimizer, map_moments=mapped,
+                ds_config=ds, optimizer=old.optimizer, map_moments=mapped and before is not None,
                 perturbation_std=ml.perturbation_std, seed=self.cfg.training.seed + nxt.index,
             )
             self.state.open_levels.pop(nxt.level, None)
-            what = f"de-coalesced and interpolated (alpha {ml.alpha_of(nxt.level)})"
+            what = "de-coalesced, grown" if before is None else "de-coalesced and interpolated"
+            what += f" (alpha {alpha})"
         _crash_point(f"transition{nxt.index}")
         self.engine = old = None
         gc.collect()
@@ -329,7 +338,7 @@ class Trainer:
             phase = self.phases[state.phase]
             row = self._phase_row(phase)
             if row["valid_loss"] is None:  # not finished (a resumed run may stand at its end)
-                if state.step == 0 and phase.name == "after":
+                if state.step == 0 and phase.arrival in ("decoalesce", "grow"):
                     self._record_valid(phase, self._evaluate(phase.level))
                 self._train_phase(phase)
                 row["valid_loss"] = self._evaluate(phase.level)

@@ -1,0 +1,137 @@
+"""The phase lists of every cycle, the steps and schedule of each visit, and the learning rate."""
+
+import dataclasses
+
+import pytest
+
+from megatron_multilevel.config import LRConfig, load_config
+from megatron_multilevel.training.schedule import build_phases, lr_factor
+
+
+def _levels(num_levels: int) -> list[dict]:
+    """Level ``i`` trains ``10 i + 1`` steps before coalescing and ``10 i + 2`` after, at peaks
+    ``i + 0.1`` and ``i + 0.2``; the coarsest ``10 i + 1`` at ``i + 0.1``."""
+    levels = [{"steps_before": 10 * i + 1, "lr_before": {"peak": i + 0.1},
+               "steps_after": 10 * i + 2, "lr_after": {"peak": i + 0.2}} for i in range(num_levels)]
+    levels[-1] = {"steps_before": levels[-1]["steps_before"], "lr_before": levels[-1]["lr_before"]}
+    return levels
+
+
+def _config(cycle: str, num_levels: int, levels: "list[dict] | None" = None, **multilevel):
+    return load_config({
+        "model": {"num_layers": 8},
+        "multilevel": {"enabled": True, "cycle": cycle, "num_levels": num_levels,
+                       "levels": levels or _levels(num_levels), **multilevel},
+    })
+
+
+def _phases(cycle: str, num_levels: int, levels: "list[dict] | None" = None, **multilevel) -> list[tuple]:
+    return [(p.level, p.steps, p.name) for p in build_phases(_config(cycle, num_levels, levels, **multilevel))]
+
+
+B0, A0, B1, A1, C1, C2 = (0, 1, "before"), (0, 2, "after"), (1, 11, "before"), (1, 12, "after"), \
+    (1, 11, "coarsest"), (2, 21, "coarsest")
+
+
+@pytest.mark.parametrize(
+    "cycle, num_levels, expected",
+    [
+        ("v", 2, [B0, C1, A0]),
+        ("v", 3, [B0, B1, C2, A1, A0]),
+        ("w", 2, [B0, C1, B0, C1, A0]),
+        ("w", 3, [B0, B1, C2, B1, C2, A1, B0, B1, C2, B1, C2, A1, A0]),
+        ("f", 2, [C1, B0, C1, A0]),
+        ("f", 3, [C2, B1, C2, A1, B0, B1, C2, A1, A0]),
+    ],
+)
+def test_phase_lists(cycle, num_levels, expected):
+    assert _phases(cycle, num_levels) == expected
+
+
+def test_grow_phase_lists():
+    levels = [{"steps_after": 2}, {"steps_after": 12}, {"steps_before": 21}]
+    assert _phases("grow", 2, [levels[0], levels[2]], alpha=1.0) == [(1, 21, "coarsest"), (0, 2, "after")]
+    assert _phases("grow", 3, levels, alpha=1.0) == [(2, 21, "coarsest"), (1, 12, "after"), (0, 2, "after")]
+    assert [p.arrival for p in build_phases(_config("grow", 3, levels, alpha=1.0))] == ["fresh", "grow", "grow"]
+
+
+def test_scratch_is_one_phase():
+    cfg = load_config({"training": {"train_steps": 7, "lr": {"peak": 0.5}}})
+    assert [(p.level, p.steps, p.name, p.lr.peak) for p in build_phases(cfg)] == [(0, 7, "scratch", 0.5)]
+
+
+def test_visits_arrivals_and_schedules():
+    """A visit that ends by coalescing, and the coarsest level, train ``steps_before`` at
+    ``lr_before``; every other visit ``steps_after`` at ``lr_after``."""
+    phases = build_phases(_config("w", 3))
+    assert [(p.level, p.visit) for p in phases][:8] == [(0, 0), (1, 0), (2, 0), (1, 1), (2, 1), (1, 2), (0, 1), (1, 3)]
+    assert [p.index for p in phases] == list(range(13))
+    for p in phases:
+        assert (p.steps, p.lr.peak) == ((10 * p.level + 2, p.level + 0.2) if p.name == "after" else
+                                        (10 * p.level + 1, p.level + 0.1))
+    assert [p.arrival for p in phases][:4] == ["fresh", "coalesce", "coalesce", "decoalesce"]
+    # F: the first arrival at a level grows it (nothing to interpolate with), later ones interpolate
+    f = build_phases(_config("f", 3))
+    assert [p.arrival for p in f] == ["fresh", "grow", "coalesce", "decoalesce", "grow", "coalesce", "coalesce",
+                                      "decoalesce", "decoalesce"]
+    assert [p.arrival for p in build_phases(_config("v", 2))] == ["fresh", "coalesce", "decoalesce"]
+    levels = _levels(2)
+    del levels[0]["lr_after"]  # null: lr_before
+    assert [p.lr.peak for p in build_phases(_config("f", 2, levels))] == [1.1, 0.1, 1.1, 0.1]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        f[0].steps = 3
+
+
+def test_visits_override_the_rule():
+    levels = _levels(2)
+    levels[0]["visits"] = [{"steps": 5, "lr": {"peak": 0.5}}, {"steps": 0}, {"steps": 7, "lr": {"peak": 0.7}}]
+    levels[1]["visits"] = [{"steps": 3, "lr": {"peak": 0.3}}, {"steps": 4, "lr": {"peak": 0.4}}]
+    phases = build_phases(_config("w", 2, levels))
+    assert [(p.level, p.steps, p.lr.peak, p.name) for p in phases] == [
+        (0, 5, 0.5, "before"), (1, 3, 0.3, "coarsest"), (0, 0, 1e-3, "before"), (1, 4, 0.4, "coarsest"),
+        (0, 7, 0.7, "after"),
+    ]
+    # the coarsest level needs no steps_before when its visits are given
+    coarsest = {"visits": [{"steps": 3}, {"steps": 4}]}
+    assert [p.steps for p in build_phases(_config("f", 2, [levels[0] | {"visits": None}, coarsest]))] == [3, 1, 4, 2]
+
+
+@pytest.mark.parametrize(
+    "cycle, num_levels, level, count, message",
+    [
+        ("w", 2, 0, 2, r"multilevel.levels\[0\].visits has 2 entries; cycle 'w' over 2 levels visits level 0 3 time"),
+        ("w", 3, 2, 2, r"multilevel.levels\[2\].visits has 2 entries; cycle 'w' over 3 levels visits level 2 4 time"),
+        ("f", 3, 1, 2, r"multilevel.levels\[1\].visits has 2 entries; cycle 'f' over 3 levels visits level 1 4 time"),
+        ("v", 2, 0, 1, r"multilevel.levels\[0\].visits has 1 entries; cycle 'v' over 2 levels visits level 0 2 time"),
+    ],
+)
+def test_visits_of_the_wrong_length(cycle, num_levels, level, count, message):
+    levels = _levels(num_levels)
+    levels[level]["visits"] = [{"steps": 1}] * count
+    with pytest.raises(ValueError, match=message):
+        _config(cycle, num_levels, levels)
+
+
+def test_bad_visits():
+    levels = _levels(2)
+    levels[1]["visits"] = [{"steps": 3}, {"steps": 0}]
+    with pytest.raises(ValueError, match=r"multilevel.levels\[-1\].visits\[1\].steps must be positive"):
+        _config("w", 2, levels)
+    levels[1]["visits"] = [{"steps": 3}, {"step": 1}]
+    with pytest.raises(ValueError, match=r"multilevel.levels\[1\].visits\[1\]: unknown key\(s\) \['step'\]"):
+        _config("w", 2, levels)
+    levels[1]["visits"] = None
+    levels[0]["visits"] = [{"steps": -1}] * 3
+    with pytest.raises(ValueError, match=r"visits\[\*\].steps must be >= 0"):
+        _config("w", 2, levels)
+    with pytest.raises(ValueError, match=r"valid choices are \['v', 'w', 'f', 'grow'\]"):
+        _config("x", 2)
+
+
+def test_lr_factor():
+    cosine = [lr_factor(s, 10, LRConfig(warmup_steps=2)) for s in range(10)]
+    assert cosine == pytest.approx([0.5, 1.0, 1.0, 0.965746, 0.868198, 0.722208, 0.55, 0.377792, 0.231802, 0.134254],
+                                   abs=1e-6)
+    assert [lr_factor(s, 4, LRConfig(decay="linear", min_ratio=0.0)) for s in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    assert [lr_factor(s, 6, LRConfig(decay="constant", warmup_steps=4)) for s in range(6)] == [
+        0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
