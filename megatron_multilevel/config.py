@@ -352,7 +352,13 @@ class DataConfig:
     seq_length: int = 128
     """Tokens per training sequence."""
     split: str = "98,2,0"
-    """Train, validation and test shares of the documents."""
+    """Train, validation and test shares of the documents, by position in the dataset as in
+    Megatron (the embedded corpus is stored in a random document order, so its held-out
+    documents are a random sample)."""
+    valid_seed: int = 0
+    """Seed of the order (and, for BERT, the masking) of the validation samples. Independent of
+    ``training.seed``, so that runs with different seeds, and every method of a comparison, are
+    scored on the same validation samples."""
     masking_probability: float = 0.15
     """BERT: share of tokens masked."""
     short_sequence_probability: float = 0.1

@@ -43,7 +43,7 @@ ACCEPTED = {
     LRConfig: ["decay", "min_ratio", "peak", "warmup_steps"],
     DataConfig: [
         "cache_dir", "masking_probability", "num_workers", "prefix", "seq_length",
-        "short_sequence_probability", "split", "tokenizer_model",
+        "short_sequence_probability", "split", "tokenizer_model", "valid_seed",
     ],
     TrainingConfig: [
         "eval_batches", "eval_interval", "keep_checkpoints", "log_interval", "lr", "output_dir",

@@ -7,6 +7,7 @@ cached as Megatron indexed datasets under the data cache directory.
 
 import fcntl
 import os
+import random
 import sys
 import sysconfig
 from contextlib import contextmanager
@@ -18,8 +19,13 @@ from megatron_multilevel.data.tokenizer import TRAINING_VERSION
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
+CORPUS_VERSION = 2  # 2: documents in a fixed random order
+
+
 def stdlib_files() -> list[Path]:
-    """The ``.py`` files of this interpreter's standard library, without tests, in a fixed order."""
+    """The ``.py`` files of this interpreter's standard library, without tests, in a fixed random
+    order: the validation split is the last documents (Megatron splits by position), and in
+    directory order those would all come from the last few packages (``xml*``, ``zoneinfo``)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -27,6 +33,7 @@ def stdlib_files() -> list[Path]:
         files += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
     if not files:
         raise ValueError(f"no Python sources under {root}: the embedded corpus needs the standard library")
+    random.Random(0).shuffle(files)
     return files
 
 
@@ -47,7 +54,7 @@ def default_corpus(cache_dir: str, *, vocab_size: int, kind: str) -> tuple[str, 
     Safe to call from several processes at once: one prepares, the others wait for it.
     """
     version = f"py{sys.version_info.major}{sys.version_info.minor}"
-    root = Path(cache_dir) / f"stdlib-{version}-v{vocab_size}-t{TRAINING_VERSION}"
+    root = Path(cache_dir) / f"stdlib-{version}-c{CORPUS_VERSION}-v{vocab_size}-t{TRAINING_VERSION}"
     tokenizer_model = root / "tokenizer.model"
     prefix = root / ("gpt_document" if kind == "gpt" else "bert_sentence")
     with _exclusive(root.with_suffix(".lock")):

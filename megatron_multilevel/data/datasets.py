@@ -56,14 +56,24 @@ def check_dataset(prefix: str, tokenizer: SentencePieceTokenizer, vocab_size: in
 
 
 def build_data(cfg: RunConfig, *, train_samples: int, valid_samples: int) -> Data:
-    """Megatron datasets of at least the given numbers of samples (collective over all ranks)."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    """Megatron datasets of at least the given numbers of samples (collective over all ranks).
 
+    The training samples follow ``training.seed``; the validation samples follow
+    ``data.valid_seed`` alone, so every run on the same data is scored on the same samples."""
     prefix, model = resolve_data_paths(cfg)
     tokenizer = SentencePieceTokenizer(model)
     check_dataset(prefix, tokenizer, cfg.model.vocab_size)
+    train = _build_split(cfg, prefix, tokenizer, seed=cfg.training.seed, sizes=[train_samples, None, None])
+    valid = _build_split(cfg, prefix, tokenizer, seed=cfg.data.valid_seed, sizes=[None, valid_samples, None])
+    return Data(train[0], valid[1], tokenizer)
+
+
+def _build_split(cfg: RunConfig, prefix: str, tokenizer, *, seed: int, sizes: list):
+    """The splits of ``sizes`` (None: not built) through Megatron's dataset builder, shuffled by ``seed``."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
     common = dict(
-        random_seed=cfg.training.seed,
+        random_seed=seed,
         sequence_length=cfg.data.seq_length,
         blend=([prefix], None),
         split=cfg.data.split,
@@ -93,10 +103,7 @@ def build_data(cfg: RunConfig, *, train_samples: int, valid_samples: int) -> Dat
             masking_use_geometric_distribution=False,
             classification_head=cfg.model.add_binary_head,
         )
-    train, valid, _ = BlendedMegatronDatasetBuilder(
-        dataset_cls, [train_samples, valid_samples, None], lambda: True, config
-    ).build()
-    return Data(train, valid, tokenizer)
+    return BlendedMegatronDatasetBuilder(dataset_cls, sizes, lambda: True, config).build()
 
 
 @dataclass

@@ -1,0 +1,56 @@
+"""The data split: validation samples that do not depend on the training seed, and an embedded
+corpus whose held-out documents are a random sample rather than the last packages on disk."""
+
+import numpy
+import pytest
+
+from launch_helpers import make_corpus, preprocess
+from megatron_multilevel.config import load_config
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("data")
+    result = preprocess(make_corpus(tmp / "corpus"), tmp / "gpt")
+    assert result.returncode == 0, result.stderr
+    return str(tmp / "gpt"), str(tmp / "gpt.model"), tmp
+
+
+def _data(dataset, *, seed: int, valid_seed: int = 0):
+    from megatron_multilevel.data.datasets import build_data
+
+    prefix, model, tmp = dataset
+    cfg = load_config({
+        "train_batch_size": 4,
+        "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "vocab_size": 512,
+                  "max_sequence_length": 32},
+        "data": {"prefix": prefix, "tokenizer_model": model, "seq_length": 32, "split": "80,20,0",
+                 "valid_seed": valid_seed, "cache_dir": str(tmp / "cache")},
+        "training": {"seed": seed},
+    })
+    data = build_data(cfg, train_samples=16, valid_samples=16)
+    return ([numpy.asarray(data.train[i]["tokens"]) for i in range(16)],
+            [numpy.asarray(data.valid[i]["tokens"]) for i in range(16)])
+
+
+def test_validation_samples_do_not_follow_the_training_seed(dist_single, dataset):
+    train_a, valid_a = _data(dataset, seed=1)
+    train_b, valid_b = _data(dataset, seed=2)
+    assert all(numpy.array_equal(a, b) for a, b in zip(valid_a, valid_b))  # scored on the same samples
+    assert not all(numpy.array_equal(a, b) for a, b in zip(train_a, train_b))  # trained in another order
+    _, valid_c = _data(dataset, seed=1, valid_seed=7)
+    assert not all(numpy.array_equal(a, b) for a, b in zip(valid_a, valid_c))
+    # validation documents are never trained on
+    seen = {tuple(t) for t in train_a + train_b}
+    assert not seen & {tuple(t) for t in valid_a}
+
+
+def test_embedded_corpus_holds_out_a_random_sample_of_files():
+    from megatron_multilevel.data.corpus import stdlib_files
+
+    files = stdlib_files()
+    assert files == stdlib_files()  # a fixed order
+    assert sorted(files) != files
+    held_out = files[-max(1, len(files) // 50):]  # the validation share of the default split, 2%
+    packages = {f.parent for f in held_out}
+    assert len(packages) > len(held_out) // 2  # spread over the library, not one corner of it
