@@ -9,6 +9,7 @@ taken as linear.
 """
 
 import copy
+import os
 import statistics
 from typing import Optional, Sequence
 
@@ -42,6 +43,85 @@ def run_savings(records: list[dict], baseline_records: list[dict]) -> dict:
         out[f"{axis}_to_target"] = cost
         out[f"saving_{axis}"] = None if cost is None else 1.0 - cost / base
     return out
+
+
+def equal_quality(points: Sequence[tuple[float, float]], target: float) -> dict:
+    """The smallest budget fraction whose final validation loss reaches ``target``.
+
+    ``points`` are ``(fraction, final loss)`` of one method run with its whole schedule
+    compressed to each fraction of the baseline's budget. Between two fractions the final loss
+    is taken as linear. ``bound`` says how far the figure holds: ``"interpolated"`` between two
+    runs, ``"at_most"`` when even the smallest fraction run reaches the target (the fraction
+    needed may be smaller), ``"not_reached"`` when no fraction does (``gap``: how far above the
+    target the largest fraction ends)."""
+    points = sorted(points)
+    fraction = first_crossing(points, target)
+    if fraction is None:
+        return {"fraction": None, "saving": None, "bound": "not_reached", "gap": points[-1][1] - target}
+    bound = "at_most" if fraction == points[0][0] else "interpolated"
+    return {"fraction": fraction, "saving": 1.0 - fraction, "bound": bound, "gap": None}
+
+
+def at_fraction(points: Sequence[tuple[float, float]], fraction: float) -> float:
+    """The value at ``fraction`` of the piecewise-linear curve ``(fraction, value)``, clamped to
+    its first and last points."""
+    points = sorted(points)
+    if fraction <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if fraction <= x1:
+            return y0 + (y1 - y0) * (fraction - x0) / (x1 - x0)
+    return points[-1][1]
+
+
+def compress(config: dict, fraction: float) -> dict:
+    """``config`` with its whole schedule compressed to ``fraction`` of its steps: every phase,
+    and every warm-up, scaled by the same factor (rounded; a phase that had steps keeps at least
+    one), so the phases keep their proportions and each learning-rate schedule its shape."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"budget fraction must be in (0, 1], got {fraction}")
+    out = copy.deepcopy(config)
+
+    def scaled(steps: int) -> int:
+        return max(1, round(steps * fraction)) if steps else 0
+
+    def schedule(lr: "dict | None") -> None:
+        if lr and lr.get("warmup_steps"):
+            lr["warmup_steps"] = scaled(lr["warmup_steps"])
+
+    ml = out.get("multilevel", {})
+    if not ml.get("enabled"):
+        training = out.setdefault("training", {})
+        training["train_steps"] = scaled(training.get("train_steps", 600))
+        schedule(training.get("lr"))
+        return out
+    for level in ml["levels"]:
+        for key in ("steps_before", "steps_after"):
+            if level.get(key):
+                level[key] = scaled(level[key])
+        schedule(level.get("lr_before"))
+        schedule(level.get("lr_after"))
+        for visit in level.get("visits") or []:
+            visit["steps"] = scaled(visit["steps"])
+            schedule(visit.get("lr"))
+    return out
+
+
+def source_version(root: str) -> str:
+    """A short hash of the code a run executes (the package and the launcher), so that figures
+    made by different code are never put in one table."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    files = [os.path.join(root, "launch", "pretrain_vcycle.sh")]
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, "megatron_multilevel")):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    for path in files:
+        digest.update(os.path.relpath(path, root).encode())
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def summarize(values: Sequence[Optional[float]]) -> dict:
@@ -85,7 +165,8 @@ def _flops_ratios(base: dict, multilevel: dict) -> list[float]:
 def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor: float = 3.0,
                     ea: float = 0.05, coarse_share: float = 0.5, alpha: float = 0.5, warmup: int = 20,
                     after_warmup: int = 20, budget: str = "flops", depth_scaling: str = "none",
-                    perturbation_std: float = 0.0, shape: str = "width+depth") -> dict[str, dict]:
+                    perturbation_std: float = 0.0, shape: str = "width+depth", depth_pairing: str = "adjacent",
+                    fcycle_revisit: float = 0.25) -> dict[str, dict]:
     """Configs of the compared methods: training from scratch for ``steps`` global batches, and
     each other method within the same budget: the same training FLOPs (``budget="flops"``: the
     cheaper steps of coarse levels buy more steps at the fine level) or the same tokens
@@ -97,6 +178,12 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
       the fine level after de-coalescing and interpolating with ``alpha``;
     - ``vcycle3``: the same shape over three levels (the middle level gets ``ea`` on the way down
       and a third of the remaining fine steps on the way up);
+    - ``wcycle2``: the 2-level W-cycle: ``ea`` fine, half the coarse steps, ``ea`` fine, the other
+      half, the rest fine;
+    - ``fcycle2``: the 2-level F-cycle (full multigrid): ``coarse_share`` of the steps at the coarse
+      level from scratch, grown to the fine level (no interpolation partner yet), ``ea`` fine,
+      ``fcycle_revisit`` times the first coarse steps at the coarse level again, then the rest
+      fine after interpolating with ``alpha``;
     - ``stacking``: progressive stacking, a half-depth model trained from scratch for
       ``coarse_share`` of the steps, its layers stacked to full depth, the rest at full depth.
 
@@ -124,11 +211,12 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     r3 = _flops_ratios(base, {"num_levels": 3, **shape})
     r_stack = _flops_ratios(base, {"num_levels": 2, "coalesce_width": False, "coalesce_depth": True})
 
-    def remaining(coarse_cost: float) -> int:
-        """Fine steps left after ``ea_steps`` fine steps and coarse work costing ``coarse_cost``."""
+    def remaining(coarse_cost: float, *, coarse_steps: int = coarse, fine_before: int = ea_steps) -> int:
+        """Fine steps left after ``fine_before`` fine steps and ``coarse_steps`` coarse steps
+        costing ``coarse_cost`` fine steps."""
         if budget == "tokens":
-            return steps - ea_steps - coarse
-        return int(steps - ea_steps - coarse_cost)
+            return steps - fine_before - coarse_steps
+        return int(steps - fine_before - coarse_cost)
 
     after = remaining(coarse * r2[1])
     assert after > 0, "the schedule leaves no fine steps after de-coalescing"
@@ -137,7 +225,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     scratch.setdefault("training", {})["train_steps"] = steps
     scratch["training"]["lr"] = {"peak": fine_lr, "warmup_steps": warmup}
     common = {"enabled": True, **shape, "alpha": alpha, "depth_scaling": depth_scaling,
-              "perturbation_std": perturbation_std}
+              "depth_pairing": depth_pairing, "perturbation_std": perturbation_std}
     vcycle2 = config({**common, "num_levels": 2, "levels": [
         _level(ea_steps, fine_lr, warmup=warmup, steps_after=after, after_warmup=after_warmup),
         _level(coarse, coarse_lr),
@@ -158,4 +246,24 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
             _level(0, fine_lr, steps_after=stack_after, after_warmup=after_warmup),
             _level(coarse, fine_lr, warmup=warmup),
         ]})
-    return {"scratch": scratch, "vcycle2": vcycle2, "vcycle3": vcycle3, "stacking": stacking}
+    # W-cycle: two coarse visits of half the coarse steps each, a fine visit of ea_steps between
+    half = max(1, coarse // 2)
+    wcycle2 = config({**common, "cycle": "w", "num_levels": 2, "levels": [
+        _level(ea_steps, fine_lr, warmup=warmup, steps_after=remaining(2 * half * r2[1], coarse_steps=2 * half,
+                                                                   fine_before=2 * ea_steps),
+               after_warmup=after_warmup),
+        _level(half, coarse_lr),
+    ]})
+    # F-cycle: the coarse level from scratch (as stacking starts), grown to the fine level, which
+    # trains ea_steps, is coalesced again for a second, shorter coarse visit, and returns by
+    # interpolating with the fine model it was coalesced from
+    first, second = coarse, max(1, round(fcycle_revisit * coarse))
+    fcycle2 = config({**common, "cycle": "f", "num_levels": 2, "levels": [
+        _level(ea_steps, fine_lr, warmup=after_warmup, steps_after=remaining((first + second) * r2[1],
+                                                                       coarse_steps=first + second),
+               after_warmup=after_warmup),
+        {"visits": [{"steps": first, "lr": {"peak": coarse_lr, "warmup_steps": warmup}},
+                    {"steps": second, "lr": {"peak": coarse_lr, "warmup_steps": 0}}]},
+    ]})
+    return {"scratch": scratch, "vcycle2": vcycle2, "vcycle3": vcycle3, "wcycle2": wcycle2, "fcycle2": fcycle2,
+            "stacking": stacking}

@@ -92,3 +92,21 @@ def plot_validation(runs: dict[str, list[dict]], out_dir: str, *, target: "float
         paths.append(_finish(plt, fig, ax, label, "validation loss (hollow: coarser levels)",
                              os.path.join(out_dir, f"valid_loss_vs_{name}.png")))
     return paths
+
+
+def plot_budgets(budgets: dict[str, dict[int, list[tuple[float, float]]]], out_dir: str, *,
+                 target: "float | None" = None) -> str:
+    """Final validation loss against the budget fraction each run was compressed to, one line
+    per method and seed (``budgets[method][seed] = [(fraction, loss), ...]``); ``target`` dashed."""
+    plt = _pyplot()
+    os.makedirs(out_dir, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    for i, (method, seeds) in enumerate(budgets.items()):
+        for j, (seed, points) in enumerate(sorted(seeds.items())):
+            points = sorted(points)
+            ax.plot([f for f, _ in points], [loss for _, loss in points], "o-", color=f"C{i % 10}", ms=4, lw=1.5,
+                    alpha=1.0 if j == 0 else 0.5, label=method if j == 0 else None)
+    if target is not None:
+        ax.axhline(target, color="black", ls="--", lw=1, label="final loss of training from scratch")
+    return _finish(plt, fig, ax, "budget (fraction of the FLOPs of training from scratch)", "final validation loss",
+                   os.path.join(out_dir, "final_loss_vs_budget.png"))

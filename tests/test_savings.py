@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from launch_helpers import ROOT, make_corpus, preprocess
-from megatron_multilevel.benchmarking import first_crossing, run_savings, summarize, variant_configs
+from megatron_multilevel.benchmarking import (
+    at_fraction, compress, equal_quality, first_crossing, run_savings, summarize, variant_configs)
 from megatron_multilevel.config import load_config
 
 
@@ -40,6 +41,52 @@ def test_savings_against_the_baseline():
     assert run_savings(baseline, baseline)["saving_flops"] == 0.0
 
 
+def test_equal_quality_on_made_up_budget_curves():
+    # final losses at 50, 65, 80 and 100% of the budget; the target 3.10 lies between 65% (3.20)
+    # and 80% (3.00): half way, at 72.5%, so 27.5% saved
+    points = [(1.0, 2.90), (0.5, 3.40), (0.8, 3.00), (0.65, 3.20)]
+    out = equal_quality(points, 3.10)
+    assert out["fraction"] == pytest.approx(0.725) and out["saving"] == pytest.approx(0.275)
+    assert out["bound"] == "interpolated" and out["gap"] is None
+    # reached at the smallest budget tried: only a bound on the fraction needed
+    assert equal_quality(points, 3.50) == {"fraction": 0.5, "saving": 0.5, "bound": "at_most", "gap": None}
+    # never reached: how far above the target the full budget ends
+    missed = equal_quality(points, 2.80)
+    assert missed["saving"] is None and missed["bound"] == "not_reached" and missed["gap"] == pytest.approx(0.10)
+    # exactly at a run's loss: that run's fraction
+    assert equal_quality(points, 3.00)["fraction"] == pytest.approx(0.8)
+    # the wall-clock at that fraction, interpolated between the same runs
+    seconds = [(0.5, 100.0), (0.65, 130.0), (0.8, 160.0), (1.0, 200.0)]
+    assert at_fraction(seconds, 0.725) == pytest.approx(145.0)
+    assert at_fraction(seconds, 0.4) == 100.0 and at_fraction(seconds, 1.0) == 200.0
+
+
+def _phase_steps(cfg):
+    from megatron_multilevel.training.schedule import build_phases
+
+    return [p.steps for p in build_phases(load_config(cfg))]
+
+
+def test_budget_compression_keeps_the_phases_proportions():
+    configs = variant_configs(BASE, steps=400, fine_lr=1e-3, ea=0.1)
+    for name in ("scratch", "vcycle2", "vcycle3", "stacking"):
+        full = _phase_steps(configs[name])
+        half = _phase_steps(compress(configs[name], 0.5))
+        assert half == [round(s / 2) for s in full], name
+        assert sum(half) == pytest.approx(sum(full) / 2, abs=len(full)), name
+    scratch = compress(configs["scratch"], 0.25)["training"]
+    assert scratch["train_steps"] == 100 and scratch["lr"]["warmup_steps"] == 5  # of 20
+    v = compress(configs["vcycle2"], 0.5)["multilevel"]["levels"]
+    assert v[0]["lr_before"]["warmup_steps"] == 10 and v[0]["lr_after"]["warmup_steps"] == 10
+    assert configs["vcycle2"]["multilevel"]["levels"][0]["steps_before"] == 40  # the input is not changed
+    # a phase keeps at least one step; a phase of none stays empty
+    tiny = compress(configs["stacking"], 0.001)["multilevel"]["levels"]
+    assert tiny[0]["steps_before"] == 0 and tiny[0]["steps_after"] == 1 and tiny[1]["steps_before"] == 1
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="budget fraction"):
+            compress(configs["scratch"], bad)
+
+
 def test_summaries():
     assert summarize([0.1, 0.3, 0.2]) == {"median": 0.2, "min": 0.1, "max": 0.3, "n": 3, "reached": 3}
     assert summarize([None, 0.4])["reached"] == 1
@@ -64,7 +111,7 @@ BASE = {"train_batch_size": 8, "model": {"num_layers": 8, "hidden_size": 64, "nu
 def test_variants_share_the_token_budget():
     configs = variant_configs(BASE, steps=100, fine_lr=1e-3, budget="tokens")
     assert {name: _budget(cfg)[0] for name, cfg in configs.items()} == {
-        "scratch": 100, "vcycle2": 100, "vcycle3": 100, "stacking": 100}
+        "scratch": 100, "vcycle2": 100, "vcycle3": 100, "wcycle2": 100, "fcycle2": 100, "stacking": 100}
     stack = load_config(configs["stacking"])
     assert stack.multilevel.cycle == "grow" and stack.level_models()[1].num_layers == 4
     assert stack.level_models()[1].hidden_size == 64
@@ -95,27 +142,53 @@ def test_variants_coalesce_the_shape_asked_for():
         variant_configs(BASE, steps=100, fine_lr=1e-3, shape="heads")
 
 
+def _bench(tmp_path, *extra):
+    cmd = [sys.executable, str(ROOT / "tools" / "benchmark_savings.py"), "--size", "tiny", "--steps", "12",
+           "--data-prefix", str(tmp_path / "gpt"), "--tokenizer-model", str(tmp_path / "gpt.model"),
+           "--evals", "4", "--eval-batches", "1", "--split", "90,10,0", "--out", str(tmp_path / "work"),
+           "--results", str(tmp_path / "kept"), *extra]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
 def test_benchmark_end_to_end(tmp_path):
     inputs = make_corpus(tmp_path / "corpus")
     assert preprocess(inputs, tmp_path / "gpt").returncode == 0
-    out = tmp_path / "savings"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "benchmark_savings.py"), "--size", "tiny", "--steps", "12",
-         "--data-prefix", str(tmp_path / "gpt"), "--tokenizer-model", str(tmp_path / "gpt.model"),
-         "--evals", "4", "--eval-batches", "1", "--out", str(out), "--no-step-ratio"],
-        capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())
-    assert list(results["methods"]) == ["scratch", "vcycle2", "vcycle3", "stacking"]
-    for name, m in results["methods"].items():
-        run = m["repeats"][0]
-        assert run["final_valid_loss"] > 0 and run["total_flops"] > 0
-        assert set(m) >= {"saving_flops", "saving_seconds", "flops_to_target", "final_valid_loss"}
-    assert results["methods"]["scratch"]["saving_flops"]["median"] == 0.0
-    scratch_flops = results["methods"]["scratch"]["total_flops"]["median"]
-    for name in ("vcycle2", "vcycle3", "stacking"):  # the same compute budget
-        assert results["methods"][name]["total_flops"]["median"] <= scratch_flops
-    table = (out / "results.md").read_text()
-    assert table.startswith("| method |") and "| vcycle3 |" in table and "| stacking |" in result.stdout
-    for plot in ("valid_loss_vs_flops.png", "valid_loss_vs_seconds.png"):
-        assert (out / plot).read_bytes()[:4] == b"\x89PNG"
+    methods = ["vcycle2", "fcycle2", "stacking"]
+    result = _bench(tmp_path, "--methods", *methods, "--fractions", "0.5", "1.0")
+    kept = tmp_path / "kept"
+    results = json.loads((kept / "results.json").read_text())
+    assert list(results["methods"]) == ["scratch", *methods]
+    assert {n: m["family"] for n, m in results["methods"].items()} == {
+        "scratch": "scratch", "vcycle2": "vcycle", "fcycle2": "fcycle", "stacking": "stacking"}
+    runs = {p.stem: json.loads(p.read_text()) for p in (kept / "runs").glob("*.json")}
+    assert sorted(runs) == sorted(["scratch-f1-s1234"] + [f"{m}-f{f}-s1234" for m in methods for f in ("0.5", "1")])
+    assert {r["version"] for r in runs.values()} == {results["version"]}
+    scratch = runs["scratch-f1-s1234"]
+    target = scratch["totals"]["final_valid_loss"]
+    assert results["methods"]["scratch"]["eq_saving_flops"]["median"] == 0.0
+    for name in methods:
+        full, half = runs[f"{name}-f1-s1234"], runs[f"{name}-f0.5-s1234"]
+        assert full["totals"]["flops"] <= scratch["totals"]["flops"]  # the same compute budget
+        assert half["totals"]["flops"] == pytest.approx(full["totals"]["flops"] / 2, rel=0.2)
+        # the equal-quality saving, recomputed here from the two final losses
+        hi, lo = half["totals"]["final_valid_loss"], full["totals"]["final_valid_loss"]
+        if hi <= target:
+            expected = 0.5
+        elif lo <= target:
+            expected = 1.0 - (0.5 + 0.5 * (hi - target) / (hi - lo))
+        else:
+            expected = None
+        got = results["methods"][name]["eq_saving_flops"]["median"]
+        assert got == (None if expected is None else pytest.approx(expected)), name
+    table = (kept / "results.md").read_text()
+    assert table.startswith("| method |") and "| fcycle2 |" in table and "| stacking |" in result.stdout
+    for plot in ("valid_loss_vs_flops.png", "valid_loss_vs_seconds.png", "final_loss_vs_budget.png"):
+        assert (kept / plot).read_bytes()[:4] == b"\x89PNG"
+    # a second call reuses every kept run and redoes only what is missing
+    (kept / "runs" / "stacking-f0.5-s1234.json").unlink()
+    again = _bench(tmp_path, "--methods", *methods, "--fractions", "0.5", "1.0")
+    assert [line.split(":")[1].split()[0] for line in again.stdout.splitlines() if " done in " in line] == [
+        "stacking-f0.5-s1234"]
+    assert json.loads((kept / "results.json").read_text())["methods"]["vcycle2"] == results["methods"]["vcycle2"]

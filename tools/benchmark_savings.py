@@ -1,20 +1,29 @@
-"""Savings benchmark: from scratch vs V-cycle (2 and 3 levels) vs progressive stacking.
+"""Savings benchmark: training from scratch against multilevel cycles and progressive stacking.
 
-    python tools/benchmark_savings.py                                  # CPU default (~30 min, 2 cores)
-    python tools/benchmark_savings.py --repeats 3                      # alternating order, medians
-    python tools/benchmark_savings.py --alpha 0.25 0.5 1.0 --ea 0.05 0.2   # the paper's ablations
-    python tools/benchmark_savings.py --extra-shapes depth width           # what to coalesce
+    python tools/benchmark_savings.py                                   # CPU default, one seed
+    python tools/benchmark_savings.py --methods vcycle2 fcycle2 stacking --fractions 0.6 0.8 1.0 \
+        --repeats 2 --results benchmarks/cpu-8x256-480                  # equal quality, kept results
+    python tools/benchmark_savings.py --alpha 0.25 0.5 1.0 --ea 0.05 0.2    # the paper's ablations
+    python tools/benchmark_savings.py --extra-shapes depth width            # what to coalesce
     python tools/benchmark_savings.py --size gpt-base --procs 8 --steps 20000 --out runs/savings_gpt_base
-    python tools/benchmark_savings.py --size bert-base --procs 8 --steps 60000 --out runs/savings_bert_base
 
-Every method trains on the same data, tokenizer and model shape, within the budget of training
-from scratch: the same training FLOPs (default; coarse steps are cheaper, so the other methods
-see more tokens) or the same tokens (``--budget tokens``), each run through the real launcher.
-Per method it reports the FLOPs and wall-clock seconds (training and transitions) needed to first reach the validation loss training from scratch ends at, the final
-validation loss, and the savings against training from scratch (medians and spread over repeats,
-each repeat with its own seed and the methods in rotated order). It writes ``results.json``,
-``results.md`` and PNG plots of validation loss against FLOPs and wall-clock into ``--out``, and
-measures the coarse/fine time per step in one process.
+Every method trains on the same data, tokenizer, model shape and validation samples, within the
+budget of training from scratch: the same training FLOPs (default; coarse steps are cheaper, so
+the other methods see more tokens) or the same tokens (``--budget tokens``), each run through the
+real launcher. Two measures of the saving, per seed against training from scratch with the same
+seed, then medians and spread over seeds:
+
+- **equal quality**: each method also runs with its whole schedule compressed to smaller budget
+  fractions (``--fractions``); the smallest fraction whose final validation loss reaches the final
+  loss of training from scratch (interpolated between fractions) is the compute it needs;
+- **curve crossing**: the FLOPs and seconds at which the full-budget run first reaches that loss.
+
+Wall-clock is reported raw (seconds of training and transitions, indicative on a shared machine)
+and normalised: every phase's steps times the time per step of its model shape, measured
+alternately in one process. Each finished run leaves a small JSON file under ``--results``/runs
+(its curve, totals, config, the code version and commit); a later call, on any machine, reuses
+every kept run made by the same code and only runs what is missing, and the report (``results.json``,
+``results.md``, PNG plots) is made from the kept files of the current code version only.
 """
 
 import argparse
@@ -32,6 +41,10 @@ SIZES = {
     "cpu": dict(model={"kind": "gpt", "num_layers": 8, "hidden_size": 256, "num_attention_heads": 8,
                        "vocab_size": 4096, "max_sequence_length": 64},
                 seq=64, batch=16, steps=480, fine_lr=1e-3),
+    # Half the width and depth, for the scale study (a larger learning rate suits the smaller model).
+    "cpu-small": dict(model={"kind": "gpt", "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
+                             "vocab_size": 4096, "max_sequence_length": 64},
+                      seq=64, batch=16, steps=960, fine_lr=2e-3),
     "tiny": dict(model={"kind": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
                         "vocab_size": 512, "max_sequence_length": 32},
                  seq=32, batch=8, steps=12, fine_lr=2e-3),
@@ -60,6 +73,7 @@ def base_config(args) -> dict:
         base.setdefault("data", {}).update(prefix=args.data_prefix, tokenizer_model=args.tokenizer_model)
     steps = args.steps or size["steps"]
     interval = max(1, steps // args.evals)
+    base.setdefault("data", {})["split"] = args.split
     base["training"] = {**base.get("training", {}), "log_interval": interval, "eval_interval": interval,
                         "eval_batches": args.eval_batches, "save_interval": 0, "keep_checkpoints": 1}
     return base
@@ -77,69 +91,78 @@ def variants(args, base: dict) -> dict[str, dict]:
         name = "scratch" if not args.scratch_lr or len(args.scratch_lr) == 1 else f"scratch-lr{lr:g}"
         out[name] = variant_configs(base, fine_lr=lr, **common)["scratch"]
     given = dict(fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
-                 depth_scaling=args.depth_scaling, shape=args.shape, **common)
+                 depth_scaling=args.depth_scaling, shape=args.shape, depth_pairing=args.depth_pairing,
+                 fcycle_revisit=args.fcycle_revisit, **common)
 
     def methods(**change) -> dict[str, dict]:
         """The compared methods with the settings given, but for ``change``."""
         return variant_configs(base, **{**given, **change})
 
     main = methods()
-    for name in ("vcycle2", "vcycle3", "stacking"):
-        if name in args.methods:
-            out[name] = main[name]
+    for name in args.methods:
+        out[name] = main[name]
+    cycles = [name for name in args.methods if name != "stacking"] or ["vcycle2"]
     sweeps = [("alpha", a, dict(alpha=a)) for a in args.alpha[1:]]
     sweeps += [("ea", e, dict(ea=e)) for e in args.ea[1:]]
     sweeps += [("coarse", c, dict(coarse_share=c)) for c in args.coarse_share[1:]]
     for key, value, change in sweeps:
-        out[f"vcycle2-{key}{value:g}"] = methods(**change)["vcycle2"]
+        out[f"{cycles[0]}-{key}{value:g}"] = methods(**change)[cycles[0]]
     if args.paper_variant:  # the paper's settings, beside the ones given
-        out["vcycle2-paper"] = methods(ea=0.05, coarse_share=0.5, depth_scaling="none", shape="width+depth")["vcycle2"]
+        out["vcycle2-paper"] = methods(ea=0.05, coarse_share=0.5, depth_scaling="none", shape="width+depth",
+                                       depth_pairing="adjacent")["vcycle2"]
     if args.compare_depth_scaling:
         other = "none" if args.depth_scaling == "ode" else "ode"
-        out[f"vcycle2-{other}"] = methods(depth_scaling=other)["vcycle2"]
+        out[f"{cycles[0]}-{other}"] = methods(depth_scaling=other)[cycles[0]]
     for shape in args.extra_shapes:
         if shape != args.shape:
-            out[f"vcycle2-{shape}"] = methods(shape=shape)["vcycle2"]
+            for name in cycles:
+                out[f"{name}-{shape}"] = methods(shape=shape)[name]
     return out
 
 
 def launch(config: dict, path: str, procs: int) -> float:
-    """Run one config through the launcher (skipped if its summary exists); returns seconds."""
+    """Run one config through the launcher (a killed run resumes from its checkpoints); returns seconds."""
     run_dir = config["training"]["output_dir"]
-    if os.path.exists(os.path.join(run_dir, "summary.json")):
-        return 0.0
     with open(path, "w") as f:
         json.dump(config, f, indent=1)
     t0 = time.time()
     cmd = ["bash", os.path.join(ROOT, "launch", "pretrain_vcycle.sh"), path, "--num_procs", str(procs)]
-    log = open(os.path.join(os.path.dirname(path), os.path.basename(path) + ".log"), "w")
-    result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHON": sys.executable})
+    with open(path + ".log", "a") as log:
+        result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHON": sys.executable})
     if result.returncode:
-        raise SystemExit(f"run {run_dir} failed (exit {result.returncode}); see {log.name}")
+        raise SystemExit(f"run {run_dir} failed (exit {result.returncode}); see {path}.log")
     return time.time() - t0
 
 
-def step_time_ratios(base: dict, *, steps: int = 6) -> dict:
-    """Seconds per training step of the fine model and its coarser levels, measured alternately
-    in this one process (random tokens, the same batch)."""
+def shape_name(model: dict) -> str:
+    return f"{model['num_layers']}x{model['hidden_size']}"
+
+
+def step_times(configs: dict[str, dict], *, steps: int = 6) -> dict:
+    """Seconds per training step of every model shape the configs train, measured alternately in
+    this one process on the same batch (runs made one after another on a shared machine are not
+    comparable in seconds; these per-step times are)."""
     import torch
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megatron_multilevel.config import ModelConfig, coarse_model_config
+    from megatron_multilevel.config import load_config
     from megatron_multilevel.distributed import init_single_process
     from megatron_multilevel.models import build_model, language_model_loss
+    from megatron_multilevel.training.flops import flops_per_token
 
     init_single_process()
-    fine = ModelConfig(**base["model"])
-    levels = {"fine": fine, "coarse (width+depth)": coarse_model_config(fine, width=True, depth=True),
-              "half depth (stacking)": coarse_model_config(fine, width=False, depth=True)}
-    if fine.num_layers % 4 == 0 and fine.num_attention_heads % 4 == 0:
-        levels["coarsest of 3 levels"] = coarse_model_config(levels["coarse (width+depth)"], width=True, depth=True)
-    seq, batch = base["data"]["seq_length"], base["train_batch_size"]
+    shapes = {}
+    for cfg in configs.values():
+        for model in load_config(cfg).level_models():
+            shapes.setdefault(f"{model.num_layers}x{model.hidden_size}", model)
+    fine = load_config(next(iter(configs.values()))).model
+    any_cfg = next(iter(configs.values()))
+    seq, batch = any_cfg["data"]["seq_length"], any_cfg["train_batch_size"]
     tokens = torch.randint(0, fine.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
     models = {}
-    for name, cfg in levels.items():
+    for name, cfg in shapes.items():
         model = build_model(cfg)
         models[name] = (cfg, model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     times = {name: [] for name in models}
@@ -152,48 +175,95 @@ def step_time_ratios(base: dict, *, steps: int = 6) -> dict:
             opt.step()
             if i >= 2:
                 times[name].append(time.perf_counter() - t0)
-    from megatron_multilevel.training.flops import flops_per_token
-
-    out = {}
-    for name, ts in times.items():
-        median = sorted(ts)[len(ts) // 2]
-        out[name] = {"seconds_per_step": median,
-                     "time_ratio": median / sorted(times["fine"])[len(times["fine"]) // 2],
-                     "flops_ratio": flops_per_token(levels[name], seq) / flops_per_token(fine, seq)}
-    return out
+    fine_name = f"{fine.num_layers}x{fine.hidden_size}"
+    median = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    return {name: {"seconds_per_step": median[name], "time_ratio": median[name] / median[fine_name],
+                   "flops_ratio": flops_per_token(shapes[name], seq) / flops_per_token(fine, seq)}
+            for name in shapes}
 
 
-def collect(out_dir: str, names: list[str], repeats: int) -> dict:
-    from megatron_multilevel.benchmarking import run_savings, summarize
+def normalized_seconds(phases: list[dict], times: dict) -> float:
+    """A run's training time in seconds of the per-step times measured in one process: each
+    phase's steps times its shape's time per step (transitions not counted)."""
+    return sum(p["steps"] * times[shape_name(p["model"])]["seconds_per_step"] for p in phases)
+
+
+def run_result(run_dir: str, *, method: str, fraction: float, seed: int, version: str, config: dict) -> dict:
+    """The small record of one finished run that is kept (and committed) with the benchmark."""
     from megatron_multilevel.training.metrics import read_metrics
 
-    def records(name, r):
-        return read_metrics(os.path.join(out_dir, "runs", f"{name}-r{r}"))
-
-    baseline = "scratch" if "scratch" in names else next(n for n in names if n.startswith("scratch"))
-    per_run = {name: [] for name in names}
-    for r in range(repeats):
-        base = records(baseline, r)
-        for name in names:
-            rec = records(name, r)
-            with open(os.path.join(out_dir, "runs", f"{name}-r{r}", "summary.json")) as f:
-                totals = json.load(f)["totals"]
-            per_run[name].append({**run_savings(rec, base), "total_flops": totals["flops"],
-                                  "total_seconds": totals["wall_seconds"]})
-    summary = {}
-    for name, runs in per_run.items():
-        summary[name] = {key: summarize([run[key] for run in runs]) for key in
-                         ("saving_flops", "saving_seconds", "flops_to_target", "seconds_to_target",
-                          "final_valid_loss", "total_flops", "total_seconds")}
-        summary[name]["repeats"] = runs
-    return {"baseline": baseline, "methods": summary}
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    config = json.loads(json.dumps(config))
+    config["training"].pop("output_dir")
+    valid = [{k: r[k] for k in ("level", "phase", "global_step", "loss", "tokens", "flops", "seconds")}
+             for r in read_metrics(run_dir) if r.get("type") == "valid"]
+    phases = [{k: p[k] for k in ("phase", "name", "level", "steps", "model", "flops", "valid_loss")}
+              for p in summary["phases"]]
+    return {"method": method, "fraction": fraction, "seed": seed, "version": version, "commit": _commit(),
+            "config": config, "valid": valid, "phases": phases, "totals": summary["totals"]}
 
 
-def _flops(value: float) -> str:
-    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9)):
-        if value >= scale:
-            return f"{value / scale:.2f} {unit}"
-    return f"{value:.3g}"
+def _commit() -> str:
+    result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    dirty = subprocess.run(["git", "status", "--porcelain", "megatron_multilevel", "launch"], capture_output=True,
+                           text=True, cwd=ROOT).stdout.strip()
+    return (result.stdout.strip() or "unknown") + ("+uncommitted" if dirty else "")
+
+
+def collect(results: list[dict], times: dict) -> dict:
+    """Savings per method and seed against the baseline of the same seed, and their medians."""
+    from megatron_multilevel.benchmarking import at_fraction, equal_quality, run_savings, summarize
+
+    def records(run):
+        return [{**r, "type": "valid"} for r in run["valid"]]
+
+    baseline = "scratch" if any(r["method"] == "scratch" for r in results) else sorted(
+        r["method"] for r in results if r["method"].startswith("scratch"))[0]
+    seeds = sorted({r["seed"] for r in results if r["method"] == baseline and r["fraction"] == 1.0})
+    names = list(dict.fromkeys(r["method"] for r in results))
+    methods = {}
+    for name in names:
+        per_seed = []
+        for seed in seeds:
+            base = next(r for r in results if r["method"] == baseline and r["seed"] == seed and r["fraction"] == 1.0)
+            runs = sorted((r for r in results if r["method"] == name and r["seed"] == seed), key=lambda r: r["fraction"])
+            if not runs:
+                continue
+            target = base["totals"]["final_valid_loss"]
+            base_norm = normalized_seconds(base["phases"], times)
+            row = {"seed": seed, "target_loss": target,
+                   "final_valid_loss": {f"{r['fraction']:g}": r["totals"]["final_valid_loss"] for r in runs}}
+            full = next((r for r in runs if r["fraction"] == 1.0), None)
+            if full is not None:
+                crossing = run_savings(records(full), records(base))
+                row.update({f"crossing_{k}": v for k, v in crossing.items() if k.startswith(("saving", "flops_to",
+                                                                                                "seconds_to"))})
+            eq = equal_quality([(r["fraction"], r["totals"]["final_valid_loss"]) for r in runs], target)
+            row["equal_quality"] = eq
+            if eq["fraction"] is not None:
+                seconds = at_fraction([(r["fraction"], r["totals"]["wall_seconds"]) for r in runs], eq["fraction"])
+                norm = at_fraction([(r["fraction"], normalized_seconds(r["phases"], times)) for r in runs],
+                                   eq["fraction"])
+                row["eq_saving_flops"] = eq["saving"]
+                row["eq_saving_seconds"] = 1.0 - seconds / base["totals"]["wall_seconds"]
+                row["eq_saving_seconds_normalized"] = 1.0 - norm / base_norm
+            else:
+                row["eq_saving_flops"] = row["eq_saving_seconds"] = row["eq_saving_seconds_normalized"] = None
+            per_seed.append(row)
+        keys = ("eq_saving_flops", "eq_saving_seconds_normalized", "eq_saving_seconds", "crossing_saving_flops",
+                "crossing_saving_seconds")
+        methods[name] = {"family": family(name), **{k: summarize([row.get(k) for row in per_seed]) for k in keys},
+                         "final_valid_loss": summarize([row["final_valid_loss"].get("1") for row in per_seed]),
+                         "seeds": per_seed}
+    return {"baseline": baseline, "seeds": seeds, "methods": methods}
+
+
+def family(name: str) -> str:
+    for prefix in ("scratch", "vcycle", "wcycle", "fcycle", "ode", "stacking"):
+        if name.startswith(prefix):
+            return prefix
+    raise AssertionError(f"method {name!r} has no family")
 
 
 def table(results: dict) -> str:
@@ -202,106 +272,185 @@ def table(results: dict) -> str:
             f"{100 * s['median']:.1f}% ({100 * s['min']:.1f} to {100 * s['max']:.1f})" + (
                 f", reached {s['reached']}/{s['n']}" if s["reached"] < s["n"] else ""))
 
-    def num(s, fmt):
-        return "n/a" if s["median"] is None else fmt(s["median"])
+    def bounds(m):
+        if m["family"] == "scratch":
+            return ""
+        marks = {row["equal_quality"]["bound"] for row in m["seeds"]}
+        return " (at least: smallest budget reached it)" if "at_most" in marks else ""
 
-    lines = ["| method | FLOPs to target | seconds to target | final valid loss | FLOPs saving | wall-clock saving |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| method | final valid loss | equal quality: FLOPs saving | wall-clock (normalised) | wall-clock (raw) "
+             "| curve crossing: FLOPs saving | wall-clock (raw) |", "|---|---|---|---|---|---|---|"]
     for name, m in results["methods"].items():
+        loss = m["final_valid_loss"]
         lines.append(
-            f"| {name} | {num(m['flops_to_target'], _flops)} "
-            f"| {num(m['seconds_to_target'], lambda v: f'{v:.0f} s')} "
-            f"| {num(m['final_valid_loss'], lambda v: f'{v:.4f}')} | {pct(m['saving_flops'])} "
-            f"| {pct(m['saving_seconds'])} |")
+            f"| {name} | {'n/a' if loss['median'] is None else format(loss['median'], '.4f')} "
+            f"| {pct(m['eq_saving_flops'])}{bounds(m)} | {pct(m['eq_saving_seconds_normalized'])} "
+            f"| {pct(m['eq_saving_seconds'])} | {pct(m['crossing_saving_flops'])} | {pct(m['crossing_saving_seconds'])} |")
     return "\n".join(lines)
 
 
-def plots(out_dir: str, names: list[str], target: float) -> list[str]:
-    from megatron_multilevel.plotting import plot_validation
-    from megatron_multilevel.training.metrics import read_metrics
+def plots(out_dir: str, results: list[dict], target: float) -> list[str]:
+    from megatron_multilevel.plotting import plot_budgets, plot_validation
 
-    runs = {name: read_metrics(os.path.join(out_dir, "runs", f"{name}-r0")) for name in names}
-    return plot_validation(runs, out_dir, target=target)
+    seed = min(r["seed"] for r in results)
+    curves = {r["method"]: [{**v, "type": "valid"} for v in r["valid"]] for r in results
+              if r["seed"] == seed and r["fraction"] == 1.0}
+    budgets = {}
+    for r in results:
+        budgets.setdefault(r["method"], {}).setdefault(r["seed"], []).append(
+            (r["fraction"], r["totals"]["final_valid_loss"]))
+    return plot_validation(curves, out_dir, target=target) + [plot_budgets(budgets, out_dir, target=target)]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="cpu")
-    p.add_argument("--steps", type=int, default=None, help="global batches per method (the token budget)")
-    p.add_argument("--methods", nargs="+", default=["vcycle2", "vcycle3", "stacking"],
-                   choices=["vcycle2", "vcycle3", "stacking"], help="compared with training from scratch")
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--steps", type=int, default=None, help="global batches of training from scratch (the budget)")
+    p.add_argument("--methods", nargs="+", default=["vcycle2", "vcycle3", "stacking"], choices=METHODS,
+                   help="compared with training from scratch")
+    p.add_argument("--fractions", type=float, nargs="+", default=[1.0],
+                   help="budget fractions each compared method runs at, its whole schedule compressed to each "
+                        "(the equal-quality measure); training from scratch runs at 1.0")
+    p.add_argument("--repeats", type=int, default=1, help="seeds: --seed, --seed + 1, ...")
     p.add_argument("--procs", type=int, default=1, help="processes per run (GPUs on a GPU node)")
-    p.add_argument("--alpha", type=float, nargs="+", default=[0.5], help="first: the main V-cycles; more: a sweep")
+    p.add_argument("--alpha", type=float, nargs="+", default=[0.5], help="first: the main cycles; more: a sweep")
     p.add_argument("--ea", type=float, nargs="+", default=[0.05], help="share of steps before coalescing")
     p.add_argument("--coarse-share", "--coarse_share", type=float, nargs="+", default=[0.5],
                    help="share of steps at coarser levels")
     p.add_argument("--coarse-lr-factor", "--coarse_lr_factor", type=float, default=3.0)
+    p.add_argument("--fcycle-revisit", "--fcycle_revisit", type=float, default=0.25,
+                   help="F-cycle: steps of the second coarse visit, as a share of the first")
     p.add_argument("--budget", choices=["flops", "tokens"], default="flops",
                    help="what every method gets as much of as training from scratch")
     p.add_argument("--depth-scaling", "--depth_scaling", choices=["none", "ode"], default="none",
-                   help="depth operators of the V-cycles (and stacking): the paper's, or ODE Euler steps")
+                   help="depth operators of the cycles (and stacking): the paper's, or ODE Euler steps")
+    p.add_argument("--depth-pairing", "--depth_pairing", choices=["adjacent", "halves"], default="adjacent",
+                   help="which fine layers a coarse layer stands for (halves: what stacking does)")
     p.add_argument("--shape", choices=["width+depth", "width", "depth"], default="width+depth",
-                   help="what the V-cycles coalesce (the paper: width and depth)")
+                   help="what the cycles coalesce (the paper: width and depth)")
     p.add_argument("--extra-shapes", "--extra_shapes", nargs="*", default=[], choices=["width+depth", "width", "depth"],
-                   help="also the 2-level V-cycle coalescing these")
+                   help="also every chosen cycle coalescing these")
     p.add_argument("--compare-depth-scaling", "--compare_depth_scaling", action="store_true",
-                   help="also the 2-level V-cycle with the other depth scaling")
-    p.add_argument("--perturbation", type=float, default=0.0, help="multilevel.perturbation_std of the V-cycles")
+                   help="also the first chosen cycle with the other depth scaling")
+    p.add_argument("--perturbation", type=float, default=0.0, help="multilevel.perturbation_std of the cycles")
     p.add_argument("--paper-variant", "--paper_variant", action="store_true",
                    help="also the 2-level V-cycle with the paper's E_a (5%%) and depth operators")
     p.add_argument("--scratch-lr", "--scratch_lr", type=float, nargs="*", default=None,
                    help="tune the baseline: one scratch run per learning rate")
-    p.add_argument("--evals", type=int, default=24, help="validation points per run")
-    p.add_argument("--eval-batches", "--eval_batches", type=int, default=8)
+    p.add_argument("--evals", type=int, default=12, help="validation points per run")
+    p.add_argument("--eval-batches", "--eval_batches", type=int, default=32)
+    p.add_argument("--split", default="95,5,0", help="data.split of every run")
     p.add_argument("--data-prefix", "--data_prefix", default=None)
     p.add_argument("--tokenizer-model", "--tokenizer_model", default=None)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--no-step-ratio", "--no_step_ratio", action="store_true")
-    p.add_argument("--out", default=os.path.join(ROOT, "runs", "savings"))
+    p.add_argument("--results", default=None,
+                   help="where the small per-run result files are kept (commit them; a later call reuses "
+                        "every run already there made by the same code); default: --out")
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "savings"), help="run directories and the report")
     args = p.parse_args(argv)
     if bool(args.data_prefix) != bool(args.tokenizer_model):
         p.error("--data-prefix and --tokenizer-model go together")
+    from megatron_multilevel.benchmarking import compress, source_version
     from megatron_multilevel.config import load_config
 
     base = base_config(args)
     configs = variants(args, base)
     for name, cfg in configs.items():
-        load_config(cfg)  # every config is checked before anything runs
-    os.makedirs(os.path.join(args.out, "configs"), exist_ok=True)
+        for fraction in args.fractions:
+            load_config(compress(cfg, fraction))  # every config is checked before anything runs
+    version = source_version(ROOT)
+    results_dir = os.path.join(args.results or args.out, "runs")
+    os.makedirs(results_dir, exist_ok=True)
+    work = os.path.join(args.out, "work", version)
+    os.makedirs(work, exist_ok=True)
     names = list(configs)
     started = time.time()
     for r in range(args.repeats):
+        seed = args.seed + r
         order = names[r % len(names):] + names[: r % len(names)]  # rotate: alternating order
         for name in order:
-            cfg = json.loads(json.dumps(configs[name]))
-            cfg["training"]["seed"] = args.seed + r
-            cfg["training"]["output_dir"] = os.path.join(args.out, "runs", f"{name}-r{r}")
-            seconds = launch(cfg, os.path.join(args.out, "configs", f"{name}-r{r}.json"), args.procs)
-            print(f"repeat {r + 1}/{args.repeats}: {name} done in {seconds:.0f} s", flush=True)
-    results = collect(args.out, names, args.repeats)
-    results["command"] = "python tools/benchmark_savings.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    results["benchmark_seconds"] = time.time() - started
-    results["config"] = json.loads(json.dumps(base))
-    data = results["config"]["data"]
+            for fraction in ([1.0] if name.startswith("scratch") else sorted(args.fractions, reverse=True)):
+                run = f"{name}-f{fraction:g}-s{seed}"
+                cfg = compress(configs[name], fraction)
+                cfg["training"]["seed"] = seed
+                cfg["training"]["output_dir"] = os.path.join(work, run)
+                kept = os.path.join(results_dir, run + ".json")
+                if _reusable(kept, version, cfg):
+                    continue
+                seconds = launch(cfg, os.path.join(work, run + ".json"), args.procs)
+                result = run_result(cfg["training"]["output_dir"], method=name, fraction=fraction, seed=seed,
+                                    version=version, config=cfg)
+                _write_json(kept, result)
+                print(f"seed {seed}: {run} done in {seconds:.0f} s, final validation loss "
+                      f"{result['totals']['final_valid_loss']:.4f}", flush=True)
+    report(args, base, names, version, results_dir, started, argv)
+    return 0
+
+
+METHODS = ["vcycle2", "vcycle3", "wcycle2", "fcycle2", "stacking"]
+
+
+def _reusable(path: str, version: str, config: dict) -> bool:
+    """A kept result of the same run by the same code."""
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        kept = json.load(f)
+    config = json.loads(json.dumps(config))
+    config["training"].pop("output_dir")
+    return kept["version"] == version and kept["config"] == config
+
+
+def _write_json(path: str, value) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(tmp, path)
+
+
+def report(args, base: dict, names: list[str], version: str, results_dir: str, started: float, argv) -> dict:
+    """Tables, plots and ``results.json`` from the kept results of this code version."""
+    results = []
+    for fname in sorted(os.listdir(results_dir)):
+        with open(os.path.join(results_dir, fname)) as f:
+            run = json.load(f)
+        if run["version"] == version:
+            results.append(run)
+    order = {name: i for i, name in enumerate(names)}
+    results.sort(key=lambda r: order.get(r["method"], len(order)))
+    others = sorted({json.load(open(os.path.join(results_dir, f)))["version"] for f in os.listdir(results_dir)} - {version})
+    if others:
+        print(f"note: results of other code versions {others} in {results_dir} are left out", flush=True)
+    times_path = os.path.join(args.results or args.out, "step_time.json")
+    times = None
+    if os.path.exists(times_path):
+        with open(times_path) as f:
+            kept = json.load(f)
+        times = kept["times"] if kept["version"] == version else None
+    if times is None:
+        times = step_times({name: json.loads(json.dumps(r["config"])) for name, r in
+                            {r["method"]: r for r in results}.items()})
+        _write_json(times_path, {"version": version, "times": times})
+    summary = collect(results, times)
+    summary.update(command="python tools/benchmark_savings.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                   version=version, commits=sorted({r["commit"] for r in results}),
+                   benchmark_seconds=time.time() - started, step_time=times, config=json.loads(json.dumps(base)))
+    data = summary["config"]["data"]
     if data.get("cache_dir", "").startswith(ROOT):  # the repository's own cache: say so, not where it lies
         data["cache_dir"] = os.path.relpath(data["cache_dir"], ROOT)
-    if not args.no_step_ratio:
-        results["step_time"] = step_time_ratios(base)
-    target = results["methods"][results["baseline"]]["repeats"][0]["target_loss"]
-    results["plots"] = [os.path.basename(pth) for pth in plots(args.out, names, target)]
-    md = table(results)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
+    out_dir = args.results or args.out
+    target = summary["methods"][summary["baseline"]]["seeds"][0]["target_loss"]
+    summary["plots"] = [os.path.basename(pth) for pth in plots(out_dir, results, target)]
+    md = table(summary)
+    _write_json(os.path.join(out_dir, "results.json"), summary)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(md + "\n")
     print(md)
-    if "step_time" in results:
-        print("\n| level | s/step | time ratio | FLOPs ratio |\n|---|---|---|---|")
-        for name, s in results["step_time"].items():
-            print(f"| {name} | {s['seconds_per_step']:.3f} | {s['time_ratio']:.3f} | {s['flops_ratio']:.3f} |")
-    print(f"\nresults in {args.out}")
-    return 0
+    print("\n| shape | s/step | time ratio | FLOPs ratio |\n|---|---|---|---|")
+    for name, t in times.items():
+        print(f"| {name} | {t['seconds_per_step']:.3f} | {t['time_ratio']:.3f} | {t['flops_ratio']:.3f} |")
+    print(f"\nresults in {out_dir}")
+    return summary
 
 
 if __name__ == "__main__":
