@@ -117,7 +117,8 @@ def variants(args, base: dict) -> dict[str, dict]:
         if shape != args.shape:
             for name in cycles:
                 out[f"{name}-{shape}"] = methods(shape=shape)[name]
-    return out
+    # a tag names the settings, so that variants of one method can share a results directory
+    return {name if name.startswith("scratch") else name + args.tag: cfg for name, cfg in out.items()}
 
 
 def launch(config: dict, path: str, procs: int) -> float:
@@ -346,6 +347,8 @@ def main(argv=None) -> int:
     p.add_argument("--results", default=None,
                    help="where the small per-run result files are kept (commit them; a later call reuses "
                         "every run already there made by the same code); default: --out")
+    p.add_argument("--tag", default="", help="appended to the name of every method but scratch (e.g. -ode-ea0.2): "
+                                             "variants of one method can then share --results")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "savings"), help="run directories and the report")
     args = p.parse_args(argv)
     if bool(args.data_prefix) != bool(args.tokenizer_model):
