@@ -107,16 +107,22 @@ def compress(config: dict, fraction: float) -> dict:
     return out
 
 
+REPORT_ONLY = ("benchmarking.py", "plotting.py")
+
+
 def source_version(root: str) -> str:
     """A short hash of the code a run executes (the package and the launcher), so that figures
-    made by different code are never put in one table."""
+    made by different code are never put in one table. The benchmark's own arithmetic and the
+    plots (this module, ``plotting.py``) are not run by training and are left out: a change to a
+    report does not make the runs under it stale."""
     import hashlib
 
     digest = hashlib.sha256()
     files = [os.path.join(root, "launch", "pretrain_vcycle.sh")]
     for dirpath, dirnames, filenames in os.walk(os.path.join(root, "megatron_multilevel")):
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+        files += [os.path.join(dirpath, f) for f in sorted(filenames)
+                  if f.endswith(".py") and f not in REPORT_ONLY]
     for path in files:
         digest.update(os.path.relpath(path, root).encode())
         with open(path, "rb") as f:
@@ -166,7 +172,8 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
                     ea: float = 0.05, coarse_share: float = 0.5, alpha: float = 0.5, warmup: int = 20,
                     after_warmup: int = 20, budget: str = "flops", depth_scaling: str = "none",
                     perturbation_std: float = 0.0, shape: str = "width+depth", depth_pairing: str = "adjacent",
-                    fcycle_revisit: float = 0.25) -> dict[str, dict]:
+                    fcycle_revisit: float = 0.25, optimizer_state: str = "reset",
+                    after_lr_factor: float = 1.0) -> dict[str, dict]:
     """Configs of the compared methods: training from scratch for ``steps`` global batches, and
     each other method within the same budget: the same training FLOPs (``budget="flops"``: the
     cheaper steps of coarse levels buy more steps at the fine level) or the same tokens
@@ -186,6 +193,10 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
       fine after interpolating with ``alpha``;
     - ``stacking``: progressive stacking, a half-depth model trained from scratch for
       ``coarse_share`` of the steps, its layers stacked to full depth, the rest at full depth.
+
+    ``after_lr_factor`` scales the fine level's peak learning rate after every return to it
+    (and ``after_warmup`` is its warm-up); ``optimizer_state`` is ``multilevel.optimizer_state``
+    of the cycles (stacking's growth has no fine moments to map and always restarts AdamW).
 
     ``shape`` is what the V-cycles coalesce: ``"width+depth"`` (the paper's), ``"width"`` or
     ``"depth"``. The steps before coalescing count against the budget like any fine step; so do
@@ -224,10 +235,11 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     scratch["multilevel"] = {"enabled": False}
     scratch.setdefault("training", {})["train_steps"] = steps
     scratch["training"]["lr"] = {"peak": fine_lr, "warmup_steps": warmup}
+    after_lr = after_lr_factor * fine_lr  # the fine level's peak after a return from a coarser one
     common = {"enabled": True, **shape, "alpha": alpha, "depth_scaling": depth_scaling,
-              "depth_pairing": depth_pairing, "perturbation_std": perturbation_std}
+              "depth_pairing": depth_pairing, "perturbation_std": perturbation_std, "optimizer_state": optimizer_state}
     vcycle2 = config({**common, "num_levels": 2, "levels": [
-        _level(ea_steps, fine_lr, warmup=warmup, steps_after=after, after_warmup=after_warmup),
+        _level(ea_steps, fine_lr, warmup=warmup, steps_after=after, after_peak=after_lr, after_warmup=after_warmup),
         _level(coarse, coarse_lr),
     ]})
     # three levels: the middle one trains ea_steps on the way down and a share on the way up
@@ -235,7 +247,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     coarsest = coarse - ea_steps - middle_up
     after3 = remaining((ea_steps + middle_up) * r3[1] + coarsest * r3[2])
     vcycle3 = config({**common, "num_levels": 3, "levels": [
-        _level(ea_steps, fine_lr, warmup=warmup, steps_after=after3, after_warmup=after_warmup),
+        _level(ea_steps, fine_lr, warmup=warmup, steps_after=after3, after_peak=after_lr, after_warmup=after_warmup),
         _level(ea_steps, coarse_lr, steps_after=middle_up, after_peak=coarse_lr, after_warmup=after_warmup),
         _level(coarsest, coarse_lr * narrower),
     ]})
@@ -243,7 +255,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     stacking = config({
         "enabled": True, "cycle": "grow", "num_levels": 2, "alpha": 1.0, "coalesce_width": False,
         "coalesce_depth": True, "depth_pairing": "halves", "depth_scaling": depth_scaling, "levels": [
-            _level(0, fine_lr, steps_after=stack_after, after_warmup=after_warmup),
+            _level(0, fine_lr, steps_after=stack_after, after_peak=after_lr, after_warmup=after_warmup),
             _level(coarse, fine_lr, warmup=warmup),
         ]})
     # W-cycle: two coarse visits of half the coarse steps each, a fine visit of ea_steps between
@@ -251,7 +263,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     wcycle2 = config({**common, "cycle": "w", "num_levels": 2, "levels": [
         _level(ea_steps, fine_lr, warmup=warmup, steps_after=remaining(2 * half * r2[1], coarse_steps=2 * half,
                                                                    fine_before=2 * ea_steps),
-               after_warmup=after_warmup),
+               after_peak=after_lr, after_warmup=after_warmup),
         _level(half, coarse_lr),
     ]})
     # F-cycle: the coarse level from scratch (as stacking starts), grown to the fine level, which
@@ -261,7 +273,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     fcycle2 = config({**common, "cycle": "f", "num_levels": 2, "levels": [
         _level(ea_steps, fine_lr, warmup=after_warmup, steps_after=remaining((first + second) * r2[1],
                                                                        coarse_steps=first + second),
-               after_warmup=after_warmup),
+               after_peak=after_lr, after_warmup=after_warmup),
         {"visits": [{"steps": first, "lr": {"peak": coarse_lr, "warmup_steps": warmup}},
                     {"steps": second, "lr": {"peak": coarse_lr, "warmup_steps": 0}}]},
     ]})

@@ -84,15 +84,17 @@ def variants(args, base: dict) -> dict[str, dict]:
 
     size = SIZES[args.size]
     steps = args.steps or size["steps"]
+    after_warmup = max(1, steps // 25) if args.after_warmup is None else args.after_warmup
     common = dict(steps=steps, coarse_lr_factor=args.coarse_lr_factor, warmup=max(1, steps // 25),
-                  after_warmup=max(1, steps // 25), budget=args.budget, perturbation_std=args.perturbation)
+                  after_warmup=after_warmup, budget=args.budget, perturbation_std=args.perturbation)
     out = {}
     for lr in args.scratch_lr or [size["fine_lr"]]:
         name = "scratch" if not args.scratch_lr or len(args.scratch_lr) == 1 else f"scratch-lr{lr:g}"
         out[name] = variant_configs(base, fine_lr=lr, **common)["scratch"]
     given = dict(fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
                  depth_scaling=args.depth_scaling, shape=args.shape, depth_pairing=args.depth_pairing,
-                 fcycle_revisit=args.fcycle_revisit, **common)
+                 fcycle_revisit=args.fcycle_revisit, optimizer_state=args.optimizer_state,
+                 after_lr_factor=args.after_lr_factor, **common)
 
     def methods(**change) -> dict[str, dict]:
         """The compared methods with the settings given, but for ``change``."""
@@ -321,6 +323,12 @@ def main(argv=None) -> int:
     p.add_argument("--coarse-lr-factor", "--coarse_lr_factor", type=float, default=3.0)
     p.add_argument("--fcycle-revisit", "--fcycle_revisit", type=float, default=0.25,
                    help="F-cycle: steps of the second coarse visit, as a share of the first")
+    p.add_argument("--optimizer-state", "--optimizer_state", choices=["reset", "map"], default="reset",
+                   help="AdamW at the cycles' transitions: restarted (the paper) or its moments mapped")
+    p.add_argument("--after-warmup", "--after_warmup", type=int, default=None,
+                   help="warm-up steps of the fine level after a return (default: 4%% of the steps)")
+    p.add_argument("--after-lr-factor", "--after_lr_factor", type=float, default=1.0,
+                   help="the fine level's peak learning rate after a return, times the fine rate")
     p.add_argument("--budget", choices=["flops", "tokens"], default="flops",
                    help="what every method gets as much of as training from scratch")
     p.add_argument("--depth-scaling", "--depth_scaling", choices=["none", "ode"], default="none",
