@@ -142,10 +142,11 @@ def shape_name(model: dict) -> str:
     return f"{model['num_layers']}x{model['hidden_size']}"
 
 
-def step_times(configs: dict[str, dict], *, steps: int = 6) -> dict:
+def step_times(configs: dict[str, dict], *, steps: int = 12) -> dict:
     """Seconds per training step of every model shape the configs train, measured alternately in
     this one process on the same batch (runs made one after another on a shared machine are not
-    comparable in seconds; these per-step times are)."""
+    comparable in seconds; these per-step times are). The fastest of ``steps`` repeats counts:
+    other load on the machine only ever adds time."""
     import torch
     import warnings
 
@@ -179,8 +180,8 @@ def step_times(configs: dict[str, dict], *, steps: int = 6) -> dict:
             if i >= 2:
                 times[name].append(time.perf_counter() - t0)
     fine_name = f"{fine.num_layers}x{fine.hidden_size}"
-    median = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
-    return {name: {"seconds_per_step": median[name], "time_ratio": median[name] / median[fine_name],
+    best = {name: min(ts) for name, ts in times.items()}
+    return {name: {"seconds_per_step": best[name], "time_ratio": best[name] / best[fine_name],
                    "flops_ratio": flops_per_token(shapes[name], seq) / flops_per_token(fine, seq)}
             for name in shapes}
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The savings study of docs/benchmarks.md: every point of its grid, resumable across sessions.
+#
+#   bash benchmarks/run_study.sh            # every point, in order
+#   bash benchmarks/run_study.sh cpu-8x256-480 cpu-4x128-3840    # some points
+#   bash benchmarks/run_study.sh --list     # the points
+#
+# All runs of the study are made by the code of one commit, benchmarks/STUDY_COMMIT: the script
+# runs the benchmark from a worktree of that commit, whatever main has become since, so a study
+# continued by a later session on another machine never mixes code versions. Each finished run
+# leaves a small JSON file in benchmarks/<point>/runs/ (commit them); a later call skips those and
+# runs only what is missing, then remakes benchmarks/<point>/results.{json,md} and the plots.
+# Killed in the middle, a run resumes from its last checkpoint (run directories: runs/study/).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+commit="$(cat "$root/benchmarks/STUDY_COMMIT")"
+python_bin="${PYTHON:-python}"
+
+# The compared methods, the same at every point: training from scratch, the recipe's cycles and
+# progressive stacking, each at three budget fractions, over two seeds (three at the headline).
+RECIPE=(--methods vcycle2 fcycle2 stacking --fractions 0.6 0.8 1.0 --depth-scaling ode --ea 0.1)
+
+declare -A POINTS=(
+  # the headline point: the pilot's model (8 layers x 256) on 0.5M tokens
+  [cpu-8x256-480]="--size cpu --steps 480 --repeats 3"
+  [cpu-8x256-240]="--size cpu --steps 240 --repeats 2"
+  [cpu-8x256-960]="--size cpu --steps 960 --repeats 2"
+  # the long budgets on the smaller model (4 layers x 128): 16x from first to last
+  [cpu-4x128-240]="--size cpu-small --steps 240 --repeats 2"
+  [cpu-4x128-960]="--size cpu-small --steps 960 --repeats 2"
+  [cpu-4x128-3840]="--size cpu-small --steps 3840 --repeats 2"
+)
+ORDER=(cpu-8x256-480 cpu-4x128-240 cpu-4x128-960 cpu-8x256-240 cpu-8x256-960 cpu-4x128-3840)
+
+if [[ "${1:-}" == "--list" ]]; then
+  for point in "${ORDER[@]}"; do echo "$point: ${POINTS[$point]} ${RECIPE[*]}"; done
+  exit 0
+fi
+points=("$@")
+[[ ${#points[@]} -gt 0 ]] || points=("${ORDER[@]}")
+for point in "${points[@]}"; do
+  [[ -n "${POINTS[$point]:-}" ]] || { echo "run_study.sh: unknown point $point (see --list)" >&2; exit 2; }
+done
+
+work="$root/.cache/study-${commit:0:12}"
+if [[ ! -d "$work" ]]; then
+  git -C "$root" worktree add --detach "$work" "$commit" >/dev/null
+  mkdir -p "$work/.cache" && ln -sfn "$root/.cache/megatron_multilevel" "$work/.cache/megatron_multilevel"
+fi
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extensions}"
+for point in "${points[@]}"; do
+  echo "== $point (code of $commit)"
+  # shellcheck disable=SC2086
+  (cd "$work" && "$python_bin" tools/benchmark_savings.py ${POINTS[$point]} "${RECIPE[@]}" \
+      --results "$root/benchmarks/$point" --out "$root/runs/study/$point")
+done
