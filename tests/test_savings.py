@@ -192,3 +192,26 @@ def test_benchmark_end_to_end(tmp_path):
     assert [line.split(":")[1].split()[0] for line in again.stdout.splitlines() if " done in " in line] == [
         "stacking-f0.5-s1234"]
     assert json.loads((kept / "results.json").read_text())["methods"]["vcycle2"] == results["methods"]["vcycle2"]
+
+
+def _tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_savings", ROOT / "tools" / "benchmark_savings.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_normalised_wall_clock_by_hand():
+    tool = _tool()
+    times = {"8x256": {"seconds_per_step": 1.0}, "4x128": {"seconds_per_step": 0.25}}
+    fine, coarse = {"num_layers": 8, "hidden_size": 256}, {"num_layers": 4, "hidden_size": 128}
+    # 10 fine steps (100 FLOPs), 40 coarse steps (80 FLOPs), 10 fine steps (100 FLOPs)
+    phases = [{"steps": 10, "model": fine, "flops": 100.0}, {"steps": 40, "model": coarse, "flops": 80.0},
+              {"steps": 10, "model": fine, "flops": 100.0}]
+    assert tool.normalized_seconds(phases, times) == pytest.approx(10 + 40 * 0.25 + 10)
+    assert tool.normalized_at_flops(phases, times, 50.0) == pytest.approx(5.0)  # half the first phase
+    assert tool.normalized_at_flops(phases, times, 140.0) == pytest.approx(10 + 5.0)  # half the coarse phase
+    assert tool.normalized_at_flops(phases, times, 230.0) == pytest.approx(20 + 5.0)
+    assert tool.family("fcycle2-depth-ea0.1") == "fcycle" and tool.family("scratch") == "scratch"

@@ -192,6 +192,18 @@ def normalized_seconds(phases: list[dict], times: dict) -> float:
     return sum(p["steps"] * times[shape_name(p["model"])]["seconds_per_step"] for p in phases)
 
 
+def normalized_at_flops(phases: list[dict], times: dict, flops: float) -> float:
+    """Normalised seconds spent by the time a run has spent ``flops`` training FLOPs (within a
+    phase both grow in proportion)."""
+    spent = seconds = 0.0
+    for p in phases:
+        phase_seconds = p["steps"] * times[shape_name(p["model"])]["seconds_per_step"]
+        if spent + p["flops"] >= flops:
+            return seconds + phase_seconds * (flops - spent) / p["flops"]
+        spent, seconds = spent + p["flops"], seconds + phase_seconds
+    return seconds
+
+
 def run_result(run_dir: str, *, method: str, fraction: float, seed: int, version: str, config: dict) -> dict:
     """The small record of one finished run that is kept (and committed) with the benchmark."""
     from megatron_multilevel.training.metrics import read_metrics
@@ -243,7 +255,13 @@ def collect(results: list[dict], times: dict) -> dict:
                 crossing = run_savings(records(full), records(base))
                 row.update({f"crossing_{k}": v for k, v in crossing.items() if k.startswith(("saving", "flops_to",
                                                                                                 "seconds_to"))})
+                if crossing["flops_to_target"] is not None:
+                    base_at = normalized_at_flops(base["phases"], times, base["totals"]["flops"])
+                    row["crossing_saving_seconds_normalized"] = 1.0 - normalized_at_flops(
+                        full["phases"], times, crossing["flops_to_target"]) / base_at
             eq = equal_quality([(r["fraction"], r["totals"]["final_valid_loss"]) for r in runs], target)
+            if len(runs) < 2 and name != baseline:  # one budget: no curve over budgets to read the fraction from
+                eq = {"fraction": None, "saving": None, "bound": "one_budget", "gap": None}
             row["equal_quality"] = eq
             if eq["fraction"] is not None:
                 seconds = at_fraction([(r["fraction"], r["totals"]["wall_seconds"]) for r in runs], eq["fraction"])
@@ -256,7 +274,7 @@ def collect(results: list[dict], times: dict) -> dict:
                 row["eq_saving_flops"] = row["eq_saving_seconds"] = row["eq_saving_seconds_normalized"] = None
             per_seed.append(row)
         keys = ("eq_saving_flops", "eq_saving_seconds_normalized", "eq_saving_seconds", "crossing_saving_flops",
-                "crossing_saving_seconds")
+                "crossing_saving_seconds_normalized", "crossing_saving_seconds")
         methods[name] = {"family": family(name), **{k: summarize([row.get(k) for row in per_seed]) for k in keys},
                          "final_valid_loss": summarize([row["final_valid_loss"].get("1") for row in per_seed]),
                          "seeds": per_seed}
@@ -276,20 +294,24 @@ def table(results: dict) -> str:
             f"{100 * s['median']:.1f}% ({100 * s['min']:.1f} to {100 * s['max']:.1f})" + (
                 f", reached {s['reached']}/{s['n']}" if s["reached"] < s["n"] else ""))
 
-    def bounds(m):
+    def equal(m, key):
+        bounds = {row["equal_quality"]["bound"] for row in m["seeds"]}
         if m["family"] == "scratch":
-            return ""
-        marks = {row["equal_quality"]["bound"] for row in m["seeds"]}
-        return " (at least: smallest budget reached it)" if "at_most" in marks else ""
+            return pct(m[key])
+        if bounds == {"one_budget"}:
+            return "one budget run"
+        return pct(m[key]) + (" (at least: the smallest budget reached it)" if "at_most" in bounds else "")
 
     lines = ["| method | final valid loss | equal quality: FLOPs saving | wall-clock (normalised) | wall-clock (raw) "
-             "| curve crossing: FLOPs saving | wall-clock (raw) |", "|---|---|---|---|---|---|---|"]
+             "| curve crossing: FLOPs saving | wall-clock (normalised) | wall-clock (raw) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, m in results["methods"].items():
         loss = m["final_valid_loss"]
         lines.append(
             f"| {name} | {'n/a' if loss['median'] is None else format(loss['median'], '.4f')} "
-            f"| {pct(m['eq_saving_flops'])}{bounds(m)} | {pct(m['eq_saving_seconds_normalized'])} "
-            f"| {pct(m['eq_saving_seconds'])} | {pct(m['crossing_saving_flops'])} | {pct(m['crossing_saving_seconds'])} |")
+            f"| {equal(m, 'eq_saving_flops')} | {equal(m, 'eq_saving_seconds_normalized')} "
+            f"| {equal(m, 'eq_saving_seconds')} | {pct(m['crossing_saving_flops'])} "
+            f"| {pct(m['crossing_saving_seconds_normalized'])} | {pct(m['crossing_saving_seconds'])} |")
     return "\n".join(lines)
 
 
@@ -356,6 +378,8 @@ def main(argv=None) -> int:
     p.add_argument("--results", default=None,
                    help="where the small per-run result files are kept (commit them; a later call reuses "
                         "every run already there made by the same code); default: --out")
+    p.add_argument("--report-only", "--report_only", action="store_true",
+                   help="run nothing: remake the report from the kept results of the current code version")
     p.add_argument("--tag", default="", help="appended to the name of every method but scratch (e.g. -ode-ea0.2): "
                                              "variants of one method can then share --results")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "savings"), help="run directories and the report")
@@ -377,7 +401,7 @@ def main(argv=None) -> int:
     os.makedirs(work, exist_ok=True)
     names = list(configs)
     started = time.time()
-    for r in range(args.repeats):
+    for r in range(0 if args.report_only else args.repeats):
         seed = args.seed + r
         order = names[r % len(names):] + names[: r % len(names)]  # rotate: alternating order
         for name in order:
