@@ -4,8 +4,12 @@
 #   launch/pretrain_vcycle.sh [CONFIG.json] [dotted.key=value ...] [launcher options]
 #
 # With no CONFIG, runs the embedded default: a small GPT V-cycle on the Python standard library's
-# sources, which finishes in a few minutes on a 2-core CPU. Overrides change the config, e.g.
+# sources and its baseline, which finish in a few minutes on a 2-core CPU. Overrides change the config, e.g.
 #   launch/pretrain_vcycle.sh configs/gpt_tiny_cpu.json training.output_dir=runs/try multilevel.alpha=0.25
+#
+# --with-baseline also trains the fine model from scratch with the run's training FLOPs (in <run>/baseline,
+# reused when finished) and reports the saving at equal quality; on by default for the embedded default
+# config only; --no-baseline turns it off.
 #
 # Launcher options go to the DeepSpeed launcher as DeepSpeed users expect:
 #   --num_gpus N (alias --num_procs N: processes per node; on CPU one process by default)
@@ -21,6 +25,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 config=""
 launcher=()
+module_args=()
 overrides=()
 procs_given=0
 multi_node=0
@@ -39,6 +44,7 @@ while [[ $# -gt 0 ]]; do
     --master_addr=*|--launcher=*|--ssh_port=*|--bind_core_list=*) launcher+=("$1"); shift ;;
     --no_ssh|--no_ssh_check|--force_multi|--bind_cores_to_rank|--enable_each_rank_log)
       launcher+=("$1"); shift ;;
+    --with-baseline|--no-baseline) module_args+=("$1"); shift ;;
     -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     -*) echo "pretrain_vcycle.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *.json)
@@ -70,4 +76,4 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extensio
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 
 exec "$python_bin" -m deepspeed.launcher.runner "${launcher[@]}" --module megatron_multilevel.pretrain \
-  --config "$config" "${overrides[@]}"
+  --config "$config" "${module_args[@]}" "${overrides[@]}"

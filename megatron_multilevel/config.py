@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from megatron_multilevel.config_parsing import parse_dataclass, to_dict
+from megatron_multilevel.optimizers import check_optimizers
 
 # Top-level keys of a DeepSpeed 0.19 config (runtime/config.py and the feature configs it reads).
 DEEPSPEED_KEYS = frozenset(
@@ -503,7 +504,9 @@ def load_config(source: "str | os.PathLike | dict") -> RunConfig:
         )
     ours = {k: v for k, v in data.items() if k in OUR_KEYS}
     ours["deepspeed"] = {k: v for k, v in data.items() if k in DEEPSPEED_KEYS}
-    return parse_dataclass(RunConfig, ours, "config")
+    cfg = parse_dataclass(RunConfig, ours, "config")
+    check_optimizers(cfg)
+    return cfg
 
 
 def config_to_dict(cfg: RunConfig) -> dict:

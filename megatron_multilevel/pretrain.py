@@ -7,6 +7,11 @@ Started by the DeepSpeed launcher (``launch/pretrain_vcycle.sh``), one process p
 
 Overrides are ``dotted.key=value`` (JSON values; list items by index, e.g.
 ``multilevel.levels.0.steps_before=100``) applied to the config file before it is checked.
+
+``--with-baseline`` (the default for the embedded default config, ``configs/gpt_tiny_cpu.json``)
+also trains the fine model from scratch on the same data, seed and training FLOPs in
+``<run>/baseline`` (or reuses a finished one there) and reports the saving at equal quality;
+``--no-baseline`` turns it off.
 """
 
 import argparse
@@ -15,6 +20,9 @@ import os
 import sys
 
 import torch
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                              "gpt_tiny_cpu.json")
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -46,18 +54,32 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Multi-level (V-cycle) pretraining with Megatron-Core and DeepSpeed")
     parser.add_argument("--config", required=True, help="run config: a DeepSpeed JSON config plus our blocks")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    parser.add_argument("--with-baseline", dest="with_baseline", action="store_true", default=None,
+                        help="also train the fine model from scratch with the same training FLOPs and report the "
+                             "saving (default: only for configs/gpt_tiny_cpu.json)")
+    parser.add_argument("--no-baseline", dest="with_baseline", action="store_false", help="no baseline")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value")
     return parser.parse_args(argv)
+
+
+def wants_baseline(args, cfg) -> bool:
+    """``--with-baseline`` / ``--no-baseline``, else on for the embedded default config's multilevel runs."""
+    if args.with_baseline is not None:
+        return args.with_baseline
+    default = os.path.isfile(DEFAULT_CONFIG) and os.path.samefile(args.config, DEFAULT_CONFIG)
+    return default and cfg.multilevel.enabled
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_multilevel.config import load_config
+    from megatron_multilevel.training.baseline import baseline_config, run_baseline
 
     with open(args.config) as f:
         data = json.load(f)
     try:
         cfg = load_config(apply_overrides(data, args.overrides))
+        baseline = baseline_config(cfg) if wants_baseline(args, cfg) else None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -75,6 +97,8 @@ def main(argv=None) -> int:
     try:
         init_distributed(cfg.level_tp_sizes()[0], seed=cfg.training.seed)
         Trainer(cfg).run()
+        if baseline is not None:
+            run_baseline(cfg, baseline)
     except (ValueError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -7,7 +7,7 @@ PACKAGE = Path(megatron_multilevel.__file__).parent
 README = (PACKAGE.parent / "README.md").read_text()
 
 # Pure maths: these modules must not depend on torch.distributed, Megatron or DeepSpeed.
-PURE = ["operators.py", "level_maps.py", "plan.py", "config.py", "config_parsing.py"]
+PURE = ["operators.py", "ode_operators.py", "level_maps.py", "plan.py", "config.py", "config_parsing.py"]
 
 
 def _imports(path):
@@ -32,7 +32,9 @@ def test_public_api_is_listed_in_readme():
 
 
 def test_readme_holds_the_two_commands():
-    assert "launch/pretrain_vcycle.sh" in README
-    assert "python -m pytest -q tests" in README
+    assert "make run" in README and "make test" in README
+    assert "launch/pretrain_vcycle.sh" in README and "python -m pytest -q tests" in README
+    makefile = (PACKAGE.parent / "Makefile").read_text()
+    assert "launch/pretrain_vcycle.sh" in makefile and '-m pytest -q tests' in makefile
     ci = (PACKAGE.parent / ".ci" / "run").read_text()
-    assert "python -m pytest -q tests" in ci
+    assert "make test" in ci

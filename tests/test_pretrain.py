@@ -3,6 +3,7 @@ two nodes on localhost, and bad input failing fast."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -229,6 +230,8 @@ def _pretrain(config, *overrides):
         (["model.num_layers=3"], "model.num_layers = 3 cannot be halved"),
         (["data.prefix=/nonexistent/corpus"], "'/nonexistent/corpus.bin' does not exist"),
         (["multilevel.levels.1.tensor_model_parallel_size=3"], "does not divide"),
+        (["optimizer.type=Lion", "optimizer.params.eps=1e-8"],
+         "optimizer.params.torch_adam and optimizer.params.eps are not parameters of optimizer.type = 'Lion'"),
     ],
 )
 def test_bad_input_fails_fast(corpus, tmp_path, overrides, message):
@@ -238,13 +241,20 @@ def test_bad_input_fails_fast(corpus, tmp_path, overrides, message):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_corrupt_dataset_and_other_model(reference, corpus, tmp_path):
-    bad = tmp_path / "bad"
+def test_corrupt_dataset_fails_with_one_line(corpus, tmp_path):
+    """A damaged index, or a .bin shorter than its index says: one clear line, nothing after it."""
     (tmp_path / "bad.bin").write_bytes(b"\0" * 64)
     (tmp_path / "bad.idx").write_bytes(b"not an index")
-    result = _pretrain(_config(tmp_path, corpus, "run"), f"data.prefix={bad}")
-    assert result.returncode == 1 and "is not a valid Megatron indexed dataset" in result.stderr
-    # resuming a run directory with a different model is refused
+    shutil.copy(corpus["gpt"] + ".idx", tmp_path / "short.idx")
+    (tmp_path / "short.bin").write_bytes(b"")
+    for name in ("bad", "short"):
+        result = _pretrain(_config(tmp_path, corpus, "run"), f"data.prefix={tmp_path / name}")
+        assert result.returncode == 1, result.stderr[-3000:]
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "is not a valid Megatron indexed dataset" in lines[0], result.stderr[-3000:]
+
+
+def test_resume_refuses_another_model(reference, corpus, tmp_path):
     result = _pretrain(_config(tmp_path, corpus, "run"), f"training.output_dir={reference['dir']}",
                        "model.hidden_size=128")
     assert result.returncode == 1 and "is from a different model (" in result.stderr

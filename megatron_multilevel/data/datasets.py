@@ -38,13 +38,21 @@ def resolve_data_paths(cfg: RunConfig) -> tuple[str, str]:
 
 
 def check_dataset(prefix: str, tokenizer: SentencePieceTokenizer, vocab_size: int) -> None:
-    """Open the indexed dataset once, turning a corrupt file into a clear error."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    """Open the indexed dataset once, turning a corrupt file into a clear error.
+
+    The index is read alone first and the ``.bin`` size checked against it: ``IndexedDataset``
+    opens the ``.bin`` and then the index in its constructor, and one that fails half-way fails
+    again in its ``__del__`` (``AttributeError``), printing a traceback after our error."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, _IndexReader
 
     try:
-        dataset = IndexedDataset(prefix)
-        assert len(dataset) > 0
-        last = dataset[len(dataset) - 1]
+        index = _IndexReader(prefix + ".idx", multimodal=False)
+        assert len(index) > 0, "no sequences"
+        needed = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size
+        size = os.path.getsize(prefix + ".bin")
+        assert size >= max(needed, 1), f"the index needs {needed} bytes of .bin, it has {size}"
+        dataset = IndexedDataset(prefix)  # kept while ``last``, a view of its memory map, is read
+        last = dataset[len(index) - 1]
     except Exception as e:  # the reader raises assorted errors on damaged files
         raise ValueError(f"data: {prefix}.bin/.idx is not a valid Megatron indexed dataset ({e!r})") from None
     if tokenizer.vocab_size != vocab_size:

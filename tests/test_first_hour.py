@@ -1,0 +1,244 @@
+"""A new user's first hour: the two commands of the quick start, the main job's baseline and the
+saving it reports, the optimizer block checked before anything is built."""
+
+import inspect
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from launch_helpers import ROOT, launch, make_corpus, preprocess, records, small_config
+from megatron_multilevel.config import load_config
+from megatron_multilevel.training.metrics import read_metrics
+
+DEFAULT_CONFIG = ROOT / "configs" / "gpt_tiny_cpu.json"
+
+
+# ---------------------------------------------------------------- make run / make test
+@pytest.fixture
+def checkout(tmp_path):
+    """The files ``make`` and CI read, in a directory of their own."""
+    for name in ("Makefile", "pyproject.toml", "tools/setup_env.sh", ".ci/run"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, tmp_path / name)
+    return tmp_path
+
+
+def _make_n(directory: Path, *args: str) -> list[str]:
+    """The commands ``make ARGS`` would run (``make -n``: nothing runs)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    result = subprocess.run(["make", "-n", "-C", str(directory), *args], capture_output=True, text=True, env=env,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [line for line in result.stdout.splitlines() if not line.startswith("make")]
+
+
+def test_make_sets_up_once_then_reuses_the_environment(checkout):
+    venv_python = f'"{checkout}/.venv/bin/python"'
+    setup = "bash tools/setup_env.sh .venv"
+    # a fresh clone: both commands set up .venv first
+    assert _make_n(checkout, "test") == [setup, "touch .venv/.installed", f"{venv_python} -m pytest -q tests"]
+    assert _make_n(checkout, "run")[0] == setup
+    # set up: nothing is installed again
+    (checkout / ".venv").mkdir()
+    (checkout / ".venv" / ".installed").touch()
+    newer = max((checkout / name).stat().st_mtime for name in ("pyproject.toml", "tools/setup_env.sh")) + 10
+    os.utime(checkout / ".venv" / ".installed", (newer, newer))
+    assert _make_n(checkout, "test") == [f"{venv_python} -m pytest -q tests"]
+    assert _make_n(checkout, "run", "ARGS=--no-baseline") == [
+        f"PYTHON={venv_python} launch/pretrain_vcycle.sh --no-baseline"]
+    # pyproject.toml changed: set up again
+    os.utime(checkout / "pyproject.toml", (newer + 10, newer + 10))
+    assert _make_n(checkout, "test")[0] == setup
+    # one's own environment (a GPU machine's CUDA torch): no set-up at all
+    assert _make_n(checkout, "run", "PYTHON=python") == ['PYTHON="python" launch/pretrain_vcycle.sh ']
+
+
+def test_ci_runs_make_test(checkout, tmp_path_factory):
+    bin_dir = tmp_path_factory.mktemp("bin")
+    calls = bin_dir / "calls"
+    fake = bin_dir / "make"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$PWD $*" >> {calls}\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    result = subprocess.run(["bash", str(checkout / ".ci" / "run")], capture_output=True, text=True, env=env,
+                            cwd=bin_dir, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert calls.read_text().splitlines() == [f"{checkout} test"]
+
+
+# ---------------------------------------------------------------- the optimizer block
+def _config(**optimizer) -> dict:
+    data = json.loads(DEFAULT_CONFIG.read_text())
+    data["optimizer"] = optimizer
+    return data
+
+
+def test_optimizer_params_are_checked_against_the_type():
+    adamw = json.loads(DEFAULT_CONFIG.read_text())["optimizer"]["params"]
+    with pytest.raises(ValueError) as e:
+        load_config(_config(type="Lion", params=adamw))
+    assert str(e.value).startswith("optimizer.params.eps and optimizer.params.torch_adam are not parameters of "
+                                   "optimizer.type = 'Lion'")
+    assert "valid params are ['betas', 'lr', 'set_grad_none', 'weight_decay']" in str(e.value)
+    load_config(_config(type="Lion", params={"lr": 1e-4, "betas": [0.9, 0.99], "weight_decay": 0.1}))
+    # torch_adam chooses torch's AdamW, which has no bias_correction (DeepSpeed's FusedAdam has)
+    load_config(_config(type="AdamW", params={"bias_correction": False}))
+    with pytest.raises(ValueError, match=r"optimizer.params.bias_correction .* builds torch.optim.AdamW"):
+        load_config(_config(type="AdamW", params={"bias_correction": False, "torch_adam": True}))
+    load_config(_config(type="SGD", params={"momentum": 0.9, "nesterov": True}))
+    with pytest.raises(ValueError, match=r"optimizer.type = 'Adamw2' is not an optimizer DeepSpeed 0.19.8 builds; "
+                                         r"valid types are \['Adagrad', 'Adam', 'AdamW', 'Lamb', 'Lion'"):
+        load_config(_config(type="Adamw2"))
+    with pytest.raises(ValueError, match="torch's types are matched as spelled: 'SGD'"):
+        load_config(_config(type="sgd"))
+    # a level's DeepSpeed keys are merged into the top-level ones
+    data = _config(type="AdamW", params=adamw)
+    data["multilevel"]["levels"][1]["deepspeed"] = {"optimizer": {"type": "Lion"}}
+    with pytest.raises(ValueError, match=r"^multilevel.levels\[1\].deepspeed .*: optimizer.params.eps and"):
+        load_config(data)
+
+
+def test_optimizer_tables_match_deepspeed_and_torch():
+    """The tables are DeepSpeed 0.19.8's and torch's own: their types and constructor arguments."""
+    import importlib
+
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from megatron_multilevel.optimizers import CLASS_PARAMS, DEEPSPEED_TYPES, TORCH_TYPES
+
+    assert sorted(t.lower() for t in DEEPSPEED_TYPES) == sorted(DEEPSPEED_OPTIMIZERS)
+    torch_optimizers = {n for n, c in vars(torch.optim).items() if isinstance(c, type)
+                        and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
+    assert set(TORCH_TYPES) == {n for n in torch_optimizers if n.lower() not in DEEPSPEED_OPTIMIZERS}
+    # what DeepSpeed passes itself, or refuses (max_grad_norm: gradient_clipping replaces it)
+    not_ours = {"self", "params", "model_params", "adam_w_mode", "adamw_mode", "max_grad_norm"}
+    for path, params in CLASS_PARAMS.items():
+        module, name = path.rsplit(".", 1)
+        if name == "MuonWithAuxAdam":  # reads its keys from the config, not its constructor
+            expected = {*DeepSpeedEngine._MUON_HALF_KEYS, *DeepSpeedEngine._ADAM_HALF_KEYS, "muon_lr", "adam_lr"}
+        else:
+            cls = getattr(importlib.import_module(module), name)
+            expected = set(inspect.signature(cls.__init__).parameters) - not_ours
+            if name == "DeepSpeedCPUAdam":
+                expected.discard("fp32_optimizer_states")  # DeepSpeed's, read before (ADAM_KEYS)
+        assert set(params) == expected, path
+
+
+# ---------------------------------------------------------------- the baseline
+def test_baseline_is_on_for_the_embedded_default_only(tmp_path):
+    from megatron_multilevel.pretrain import parse_args, wants_baseline
+    from megatron_multilevel.training.baseline import baseline_config
+
+    cfg = load_config(DEFAULT_CONFIG)
+    other = tmp_path / "other.json"
+    shutil.copy(DEFAULT_CONFIG, other)
+    assert wants_baseline(parse_args(["--config", str(DEFAULT_CONFIG)]), cfg)
+    assert not wants_baseline(parse_args(["--config", str(DEFAULT_CONFIG), "--no-baseline"]), cfg)
+    assert not wants_baseline(parse_args(["--config", str(other)]), cfg)
+    assert wants_baseline(parse_args(["--config", str(other), "--with-baseline"]), cfg)
+    scratch = load_config({**json.loads(DEFAULT_CONFIG.read_text()), "multilevel": {"enabled": False}})
+    assert not wants_baseline(parse_args(["--config", str(DEFAULT_CONFIG)]), scratch)
+    with pytest.raises(ValueError, match="multilevel.enabled is false"):
+        baseline_config(scratch)
+    base = baseline_config(cfg)
+    assert not base.multilevel.enabled and base.training.seed == cfg.training.seed
+    assert base.training.output_dir == os.path.join(cfg.training.output_dir, "baseline")
+    assert base.training.lr == cfg.multilevel.levels[0].lr_before and base.data == cfg.data
+
+
+def _fine_valid(run_dir: Path) -> list[tuple[float, float, float]]:
+    return [(r["flops"], r["seconds"], r["loss"]) for r in records(run_dir, "valid") if r["level"] == 0]
+
+
+def _cost_to_reach(curve: list[tuple[float, float]], target: float) -> "float | None":
+    """Where the piecewise-linear ``(cost, loss)`` curve first gets to ``target`` or below."""
+    for i, (x, loss) in enumerate(curve):
+        if loss <= target:
+            if i == 0:
+                return x
+            x0, loss0 = curve[i - 1]
+            return x0 + (x - x0) * (loss0 - target) / (loss0 - loss)
+    return None
+
+
+def test_with_baseline_reports_the_saving_resumes_and_reuses(tmp_path):
+    data = tmp_path / "data"
+    gpt = preprocess(make_corpus(data / "corpus"), data / "gpt")
+    assert gpt.returncode == 0, gpt.stderr
+    config = small_config(tmp_path / "run.json", kind="gpt", prefix=str(data / "gpt"),
+                          tokenizer_model=str(data / "gpt.model"), output_dir=tmp_path / "run")
+    run, base_dir = tmp_path / "run", tmp_path / "run" / "baseline"
+
+    def ok(result):
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return result.stdout
+
+    # not the embedded default: no baseline unless asked for
+    ok(launch(config))
+    assert not base_dir.exists()
+    # the run is finished; its baseline is killed at its step 5, then resumed
+    crashed = launch(config, "--with-baseline", env={"MEGATRON_MULTILEVEL_CRASH_AT": "step5"})
+    assert crashed.returncode != 0 and "training the fine model from scratch" in crashed.stdout
+    assert (base_dir / "checkpoints").exists() and not (base_dir / "summary.json").exists()
+    out = ok(launch(config, "--with-baseline"))
+    assert "resuming from" in out.split("baseline: training the fine model from scratch")[1]
+
+    summary = json.loads((run / "summary.json").read_text())
+    block = summary["baseline"]
+    base_summary = json.loads((base_dir / "summary.json").read_text())
+    # the same training FLOPs: as many fine steps as the run's FLOPs buy (within one step)
+    fine_step = summary["phases"][0]["flops"] / summary["phases"][0]["steps"]
+    assert block["steps"] == base_summary["totals"]["steps"] == round(summary["totals"]["flops"] / fine_step)
+    base_cfg = json.loads((base_dir / "config.json").read_text())
+    assert base_cfg["multilevel"]["enabled"] is False and base_cfg["training"]["seed"] == 5
+    assert base_cfg["data"] == json.loads((run / "config.json").read_text())["data"]
+
+    # the saving, recomputed from the two metrics files
+    ours, theirs = _fine_valid(run), _fine_valid(base_dir)
+    target = theirs[-1][2]
+    saving = block["saving"]
+    assert saving["target_loss"] == block["final_valid_loss"] == target
+    assert saving["final_valid_loss"] == ours[-1][2] == summary["totals"]["final_valid_loss"]
+    for axis, column in (("flops", 0), ("seconds", 1)):
+        cost = _cost_to_reach([(r[column], r[2]) for r in ours], target)
+        base = _cost_to_reach([(r[column], r[2]) for r in theirs], target)
+        if cost is None:
+            assert saving[f"{axis}_to_target"] is None and saving[f"saving_{axis}"] is None
+        else:
+            assert saving[f"{axis}_to_target"] == pytest.approx(cost)
+            assert saving[f"saving_{axis}"] == pytest.approx(1 - cost / base)
+    assert saving["reached"] == (_cost_to_reach([(r[0], r[2]) for r in ours], target) is not None)
+    if saving["reached"]:
+        assert f"saving at equal quality: {saving['saving_flops']:.0%} of the FLOPs and " in out
+    else:
+        assert saving["gap"] == pytest.approx(ours[-1][2] - target)
+        assert f"not reached: the multilevel run ends at {ours[-1][2]:.4f}, {saving['gap']:.4f} above" in out
+    assert (run / "loss_vs_flops.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # a second invocation reuses the finished baseline
+    before = (base_dir / "metrics.jsonl").read_bytes()
+    out = ok(launch(config, "--with-baseline"))
+    assert f"baseline: reusing the finished baseline in {base_dir}" in out
+    assert "training the fine model from scratch" not in out
+    assert (base_dir / "metrics.jsonl").read_bytes() == before
+    assert json.loads((run / "summary.json").read_text())["baseline"] == block
+
+    # the resumed baseline is the baseline run on its own, uninterrupted
+    alone = tmp_path / "alone"
+    ok(launch(base_dir / "config.json", f"training.output_dir={alone}"))
+    curve, alone_curve = ([(r["type"], r["global_step"], r["loss"]) for r in read_metrics(d)
+                           if r["type"] in ("train", "valid")] for d in (base_dir, alone))
+    assert [c[:2] for c in curve] == [c[:2] for c in alone_curve]
+    assert [c[2] for c in curve] == pytest.approx([c[2] for c in alone_curve], abs=1e-6)
+
+    # another config makes another baseline: the old one is replaced
+    out = ok(launch(config, "--with-baseline", "training.eval_batches=1"))
+    assert f"baseline: {base_dir} holds a run of another config; removing it" in out
+    assert json.loads((base_dir / "config.json").read_text())["training"]["eval_batches"] == 1
+    assert json.loads((run / "summary.json").read_text())["baseline"]["steps"] == block["steps"]
