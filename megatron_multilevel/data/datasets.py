@@ -71,8 +71,10 @@ def build_data(cfg: RunConfig, *, train_samples: int, valid_samples: int) -> Dat
     prefix, model = resolve_data_paths(cfg)
     tokenizer = SentencePieceTokenizer(model)
     check_dataset(prefix, tokenizer, cfg.model.vocab_size)
-    train = _build_split(cfg, prefix, tokenizer, seed=cfg.training.seed, sizes=[train_samples, None, None])
-    valid = _build_split(cfg, prefix, tokenizer, seed=cfg.data.valid_seed, sizes=[None, valid_samples, None])
+    # Megatron builds every split of non-zero share, and BERT's sample mapping needs a number of
+    # samples for each: the split a call does not use gets one sample.
+    train = _build_split(cfg, prefix, tokenizer, seed=cfg.training.seed, sizes=[train_samples, 1, 1])
+    valid = _build_split(cfg, prefix, tokenizer, seed=cfg.data.valid_seed, sizes=[1, valid_samples, 1])
     return Data(train[0], valid[1], tokenizer)
 
 
