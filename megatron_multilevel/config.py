@@ -226,11 +226,93 @@ class LevelConfig:
 
 
 @dataclass
+class OdeConfig:
+    """The multilevel ODE strategy (Lauga et al. 2025): a coarse model of every other layer, taking
+    Euler steps twice as long, trained between fine phases; its change is written back."""
+
+    coarse: Literal["alternate", "even", "odd"] = "alternate"
+    """Which fine layers each coarse model keeps: ``even`` (0, 2, 4, ...), ``odd`` (1, 3, 5, ...), or
+    ``alternate``: even in the first cycle, odd in the second, and so on."""
+    residual_scale: int = 2
+    """The coarse step size, 1 or 2: the residual-branch outputs of a coarse layer (attention output
+    projection and second FFN linear, weight and bias) are multiplied by it on restriction and their
+    change is divided by it when written back."""
+    prolongation: Literal["correction", "constant", "linear"] = "correction"
+    """How the coarse change ``end - start`` is written back: ``correction`` adds each coarse layer's
+    change to its own fine layer (and the shared parameters' to theirs), the other layers untouched;
+    ``constant`` also adds it to the skipped layer of the same pair (``2i`` and ``2i + 1``);
+    ``linear`` gives each skipped layer the mean of its two neighbours' changes (the one at an end)."""
+    coherence: Literal["none", "first_order"] = "none"
+    """``first_order``: the MG/OPT tau correction. At restriction, on the first coarse batch,
+    ``v = R grad L_fine(theta) - grad L_coarse(R theta)`` is computed and added to every coarse
+    gradient of that coarse phase, so that the coarse gradient at the restricted point is the
+    restricted fine gradient (``R`` acts on gradients as on parameters). Its passes count in FLOPs."""
+    correction_scale: float = 1.0
+    """Step size on the written-back change."""
+    line_search: bool = False
+    """Backtracking on one fine batch (the first one after the coarse phase): while the fine loss with
+    the change written back is above the loss before the coarse phase, halve the change (3 times at
+    most, then drop it). Its forward passes count in FLOPs."""
+    optimizer_state: Literal["reset", "keep", "map"] = "reset"
+    """At every phase: a fresh optimizer (``reset``); the fine optimizer's state carried over and
+    kept across each coarse phase, the coarse one fresh (``keep``); or ``keep`` plus the state of the
+    selected layers and shared parameters carried into the coarse optimizer and back (``map``)."""
+    pre_steps: int = 10
+    """Fine steps before each coarse phase (pre-smoothing)."""
+    coarse_steps: int = 10
+    """Steps of each coarse phase."""
+    post_steps: int = 10
+    """Fine steps after each coarse phase (post-smoothing)."""
+    cycles: int = 1
+    """Number of (pre, coarse, post) cycles."""
+    final_steps: int = 0
+    """Fine steps after the last cycle."""
+    fine_lr: LRConfig = field(default_factory=LRConfig)
+    """Schedule of every pre- and post-smoothing phase."""
+    coarse_lr: LRConfig = field(default_factory=LRConfig)
+    """Schedule of every coarse phase."""
+    final_lr: Optional[LRConfig] = None
+    """Schedule of the final fine phase; null means ``fine_lr``."""
+
+    def __post_init__(self):
+        if self.residual_scale not in RESIDUAL_SCALES:
+            raise ValueError(
+                f"multilevel.ode.residual_scale: invalid value {self.residual_scale!r}; "
+                f"valid choices are {list(RESIDUAL_SCALES)}"
+            )
+        if self.correction_scale <= 0:
+            raise ValueError(f"multilevel.ode.correction_scale must be positive, got {self.correction_scale}")
+        for name in ("pre_steps", "post_steps", "final_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"multilevel.ode.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("coarse_steps", "cycles"):
+            _check_positive(f"multilevel.ode.{name}", getattr(self, name))
+
+    def parity(self, cycle: int) -> int:
+        """The layers the coarse model of ``cycle`` keeps: 0 even, 1 odd."""
+        if self.coarse == "alternate":
+            return cycle % 2
+        return 0 if self.coarse == "even" else 1
+
+
+RESIDUAL_SCALES = (1, 2)
+STRATEGIES = ("coalesce", "ode")
+# MultilevelConfig keys that only the coalesce strategy reads (keep_fine and enabled serve both).
+COALESCE_ONLY_KEYS = ("num_levels", "coalesce_width", "coalesce_depth", "width_pairing", "depth_pairing",
+                      "depth_scaling", "alpha", "cycle", "levels", "optimizer_state", "perturbation_std")
+
+
+@dataclass
 class MultilevelConfig:
     """The operators and the shape of the cycle over the levels."""
 
     enabled: bool = False
     """Run the cycle; false trains the fine model from scratch (the baseline)."""
+    strategy: Literal["coalesce", "ode"] = "coalesce"
+    """The multilevel method: ``coalesce`` (Zou et al.: coalesce, de-coalesce, interpolate; the keys
+    below) or ``ode`` (Lauga et al.: every other layer, the change written back; the ``ode`` block)."""
+    ode: Optional[OdeConfig] = None
+    """The ODE strategy's settings (only with ``strategy = "ode"``; null there means the defaults)."""
     num_levels: int = 2
     """Number of levels of the cycle, the fine model included (2 or more)."""
     coalesce_width: bool = True
@@ -272,6 +354,14 @@ class MultilevelConfig:
     device, in host memory, or on disk under the run directory."""
 
     def __post_init__(self):
+        if self.strategy == "ode":
+            self._check_ode_keys()
+            return
+        if self.ode is not None:
+            raise ValueError(
+                "multilevel.ode is the ODE strategy's block; set multilevel.strategy = \"ode\" to use it, "
+                f"or remove it (multilevel.strategy is {self.strategy!r}; valid choices are {list(STRATEGIES)})"
+            )
         if self.num_levels < 2:
             raise ValueError(f"multilevel.num_levels must be >= 2, got {self.num_levels}")
         if not (self.coalesce_width or self.coalesce_depth):
@@ -297,6 +387,18 @@ class MultilevelConfig:
                             f"multilevel: cycle 'grow' has no model before coalescing to interpolate with; "
                             f"level {i} needs alpha 1.0, not {self.alpha_of(i)}"
                         )
+
+    def _check_ode_keys(self) -> None:
+        defaults = MultilevelConfig()
+        given = [k for k in COALESCE_ONLY_KEYS if getattr(self, k) != getattr(defaults, k)]
+        if given:
+            raise ValueError(
+                f"multilevel: {', '.join(given)} belong(s) to the coalesce strategy and mean nothing with "
+                f"strategy 'ode'; remove them and set the ODE cycle in multilevel.ode (valid keys "
+                f"{sorted(f.name for f in dataclasses.fields(OdeConfig))})"
+            )
+        if self.ode is None:
+            self.ode = OdeConfig()
 
     def _check_visits(self) -> None:
         visits = self.walk()
@@ -431,7 +533,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The fine model."""
     multilevel: MultilevelConfig = field(default_factory=MultilevelConfig)
-    """The V-cycle."""
+    """The multilevel method and its cycle."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Tensor parallelism."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -447,6 +549,8 @@ class RunConfig:
                 f"data.seq_length = {self.data.seq_length} exceeds model.max_sequence_length = "
                 f"{self.model.max_sequence_length}"
             )
+        if self.multilevel.enabled and self.multilevel.strategy == "ode":
+            self._check_ode()
         if "scheduler" in self.deepspeed:
             raise ValueError(
                 "config: DeepSpeed's 'scheduler' is not used; the learning rate of every phase is "
@@ -458,10 +562,43 @@ class RunConfig:
             except ValueError as e:
                 raise ValueError(f"level {level}: {e}") from None
 
+    def _check_ode(self) -> None:
+        layers = self.model.num_layers
+        if layers % 2 or layers < 2:
+            raise ValueError(
+                f"model.num_layers = {layers}: the ODE strategy's coarse models keep every other layer "
+                f"and need an even number of layers"
+            )
+        optimizer = self.deepspeed.get("optimizer", {"type": "AdamW"})
+        kind = optimizer.get("type", "")
+        if kind.lower() not in ("adam", "adamw") and kind != "SGD":
+            raise ValueError(
+                f"optimizer.type = {kind!r}: the ODE strategy carries the state of "
+                f"{list(OPTIMIZER_STATE_KEYS)}; valid choices are ['Adam', 'AdamW', 'SGD']"
+            )
+        stage = self.deepspeed.get("zero_optimization", {}).get("stage", 0)
+        if kind == "SGD" and stage and not self.deepspeed.get("zero_allow_untested_optimizer"):
+            raise ValueError(
+                f"optimizer.type = 'SGD' with zero_optimization.stage = {stage}: DeepSpeed needs "
+                f"\"zero_allow_untested_optimizer\": true for SGD under ZeRO"
+            )
+        low_precision = any(self.deepspeed.get(k, {}).get("enabled") for k in ("bf16", "fp16"))
+        if low_precision and not stage and self.multilevel.ode.optimizer_state != "reset":
+            raise ValueError(
+                f"multilevel.ode.optimizer_state = {self.multilevel.ode.optimizer_state!r} with bf16/fp16 needs "
+                f"zero_optimization.stage >= 1: without ZeRO, DeepSpeed's low-precision wrapper keeps the "
+                f"optimizer state where the transitions cannot carry it"
+            )
+        if self.multilevel.ode.coherence == "first_order" and self.deepspeed.get("fp16", {}).get("enabled"):
+            raise ValueError("multilevel.ode.coherence = 'first_order' is not supported with fp16 (loss scaling); "
+                             "use bf16 or fp32")
+
     def level_models(self) -> list[ModelConfig]:
         """The model config of every level, finest first (only the fine one without multilevel)."""
         models = [self.model]
         ml = self.multilevel
+        if ml.enabled and ml.strategy == "ode":
+            return [self.model, coarse_model_config(self.model, width=False, depth=True)]
         for _ in range(ml.num_levels - 1 if ml.enabled else 0):
             models.append(coarse_model_config(models[-1], width=ml.coalesce_width, depth=ml.coalesce_depth))
         return models
@@ -471,7 +608,14 @@ class RunConfig:
         default = self.parallel.tensor_model_parallel_size
         if not self.multilevel.enabled:
             return [default]
+        if self.multilevel.strategy == "ode":
+            return [default, default]
         return [lv.tensor_model_parallel_size or default for lv in self.multilevel.levels]
+
+
+# The optimizer state the ODE strategy keeps or maps, by DeepSpeed optimizer type (lower case).
+OPTIMIZER_STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"),
+                        "sgd": ("momentum_buffer",)}
 
 
 OUR_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "deepspeed")

@@ -337,3 +337,62 @@ def make_level_maps(fine: ModelConfig, num_levels: int, **kwargs) -> list[LevelM
         maps.append(make_level_map(cfg, **kwargs))
         cfg = maps[-1].coarse
     return maps
+
+
+@dataclass(frozen=True)
+class LayerSelection:
+    """The ODE strategy's coarse model: fine layer ``2i + parity`` becomes coarse layer ``i``.
+
+    Embeddings, final norm and output layer are shared (copied); the residual-branch outputs of a
+    coarse layer are scaled by ``residual_scale`` (an Euler step that long). Nothing is averaged,
+    so the map is the same on every tensor-parallel shard.
+    """
+
+    fine: ModelConfig
+    """The fine model."""
+    parity: int
+    """0: the even layers (coarse model A), 1: the odd ones (coarse model B)."""
+    residual_scale: int = 2
+    """Factor of the residual-branch outputs of a coarse layer (1 or 2)."""
+
+    def __post_init__(self):
+        if self.parity not in (0, 1):
+            raise ValueError(f"layer selection: invalid parity {self.parity!r}; valid choices are [0, 1]")
+        if self.residual_scale not in (1, 2):
+            raise ValueError(
+                f"layer selection: invalid residual_scale {self.residual_scale!r}; valid choices are [1, 2]"
+            )
+        if self.fine.num_layers % 2:
+            raise ValueError(
+                f"layer selection: model.num_layers = {self.fine.num_layers} is odd; the coarse models keep "
+                f"every other layer of an even number of layers"
+            )
+
+    @cached_property
+    def coarse(self) -> ModelConfig:
+        return coarse_model_config(self.fine, width=False, depth=True)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The fine layer of each coarse layer, in coarse order."""
+        return tuple(range(self.parity, self.fine.num_layers, 2))
+
+    def describe(self) -> str:
+        which = "even" if self.parity == 0 else "odd"
+        return (f"the {which} fine layers {list(self.layers)} of {self.fine.num_layers}, residual-branch outputs "
+                f"x{self.residual_scale}")
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT_VERSION, "strategy": "ode", "fine": dataclasses.asdict(self.fine),
+                           "parity": self.parity, "residual_scale": self.residual_scale})
+
+    @classmethod
+    def from_json(cls, text: str) -> "LayerSelection":
+        data = json.loads(text)
+        expected = {"format", "strategy", "fine", "parity", "residual_scale"}
+        if not isinstance(data, dict) or set(data) != expected or data["strategy"] != "ode":
+            raise ValueError(f"layer selection: expected keys {sorted(expected)} with strategy 'ode'")
+        from megatron_multilevel.config_parsing import parse_dataclass
+
+        return cls(parse_dataclass(ModelConfig, data["fine"], "layer_selection.fine"), data["parity"],
+                   data["residual_scale"])

@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from megatron_multilevel.config import check_alpha
+from megatron_multilevel.config import ModelConfig, check_alpha
 from megatron_multilevel.level_maps import Grouping, LevelMap
 from megatron_multilevel.plan import (
     ParamRule,
@@ -172,9 +172,9 @@ def _lookup(rules: dict, name: str) -> ParamRule:
     return rules[name]
 
 
-def _split_layers(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap, num_layers: int, role: str):
-    """``(non-layer params, [{local name: tensor} per layer])``; unknown or missing names raise."""
-    cfg = level_map.fine
+def split_layers(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, num_layers: int, role: str):
+    """``(non-layer params, [{local name: tensor} per layer])`` of a state dict of a model of ``cfg``'s
+    parameters with ``num_layers`` layers; unknown or missing names raise."""
     plan = parameter_plan(cfg)
     model, layers = {}, defaultdict(dict)
     for name, t in state_dict.items():
@@ -203,7 +203,7 @@ def _split_layers(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap, n
 def coalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap) -> StateDict:
     """The coarse model's parameters from the fine model's full state dict."""
     fine_layers = level_map.fine.num_layers
-    model, layers = _split_layers(state_dict, level_map, fine_layers, "fine")
+    model, layers = split_layers(state_dict, level_map.fine, fine_layers, "fine")
     out = coalesce_model_params(model, level_map)
     for k, members in enumerate(depth_groups(level_map)):
         coarse = coalesce_layers([layers[i] for i in members], level_map)
@@ -215,7 +215,7 @@ def coalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap) -> Sta
 def decoalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap) -> StateDict:
     """The fine model's parameters de-coalesced from the coarse model's full state dict."""
     coarse_layers = level_map.coarse.num_layers
-    model, layers = _split_layers(state_dict, level_map, coarse_layers, "coarse")
+    model, layers = split_layers(state_dict, level_map.fine, coarse_layers, "coarse")
     out = decoalesce_model_params(model, level_map)
     fine_layers = [decoalesce_layer(layer, level_map) for layer in layers]
     for j in range(level_map.fine.num_layers):

@@ -11,6 +11,7 @@ from megatron_multilevel.config import (
     LRConfig,
     ModelConfig,
     MultilevelConfig,
+    OdeConfig,
     ParallelConfig,
     RunConfig,
     TrainingConfig,
@@ -33,7 +34,12 @@ ACCEPTED = {
     ],
     MultilevelConfig: [
         "alpha", "coalesce_depth", "coalesce_width", "depth_pairing", "depth_scaling", "enabled",
-        "cycle", "keep_fine", "levels", "num_levels", "optimizer_state", "perturbation_std", "width_pairing",
+        "cycle", "keep_fine", "levels", "num_levels", "ode", "optimizer_state", "perturbation_std", "strategy",
+        "width_pairing",
+    ],
+    OdeConfig: [
+        "coarse", "coarse_lr", "coarse_steps", "coherence", "correction_scale", "cycles", "final_lr", "final_steps",
+        "fine_lr", "line_search", "optimizer_state", "post_steps", "pre_steps", "prolongation", "residual_scale",
     ],
     LevelConfig: [
         "alpha", "deepspeed", "lr_after", "lr_before", "steps_after", "steps_before",

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 def describe(path: str) -> dict:
     from megatron_multilevel.checkpoints.convert import load_source
     from megatron_multilevel.checkpoints.full import checksum
-    from megatron_multilevel.level_maps import LevelMap
+    from megatron_multilevel.level_maps import LayerSelection, LevelMap
 
     source = load_source(path)
     m = source.model
@@ -34,6 +34,11 @@ def describe(path: str) -> dict:
     layout = {k: source.description[k] for k in ("tensor_model_parallel_size", "zero_stage") if k in source.description}
     if "phase" in source.description:
         layout["position"] = {k: source.description[k] for k in ("tag", "phase", "step", "global_step")}
+    if source.description.get("selection"):  # a coarse phase of the ODE strategy
+        selection = LayerSelection.from_json(source.description["selection"])
+        layout["ode_selection"] = {"parity": selection.parity, "fine_layers": list(selection.layers),
+                                   "fine_num_layers": selection.fine.num_layers,
+                                   "residual_scale": selection.residual_scale, "text": selection.describe()}
     return {
         "path": os.path.abspath(path), "kind": source.description["kind"], "level": source.level,
         "model": {"kind": m.kind, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
@@ -71,6 +76,8 @@ def main(argv=None) -> int:
     if "position" in info:
         pos = info["position"]
         print(f"position: {pos['tag']} (phase {pos['phase']}, step {pos['step']}, global step {pos['global_step']})")
+    if "ode_selection" in info:
+        print(f"ODE strategy, coarse model: holds {info['ode_selection']['text']}")
     for i, lm in enumerate(info["level_maps"]):
         print(f"level map {i}: {lm['from']} -> {lm['to']}; width {lm['width']}, depth {lm['depth']}, "
               f"depth scaling {lm['depth_scaling']}")

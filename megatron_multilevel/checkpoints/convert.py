@@ -14,7 +14,7 @@ import torch
 from megatron_multilevel.checkpoints import verify
 from megatron_multilevel.checkpoints.full import is_full, load_full, prepare_output, save_full
 from megatron_multilevel.config import ModelConfig, check_model_parallel
-from megatron_multilevel.level_maps import LevelMap, make_level_map
+from megatron_multilevel.level_maps import LayerSelection, LevelMap, make_level_map
 from megatron_multilevel.operators import coalesce, decoalesce, interpolate
 from megatron_multilevel.parallel.tp_layout import shard
 from megatron_multilevel.plan import parameter_plan
@@ -39,8 +39,9 @@ def load_source(path: str) -> Source:
         raise ValueError(f"source {path!r} does not exist")
     if is_full(path):
         tensors, model, meta = load_full(path)
+        ode = {k: meta["source"][k] for k in ("strategy", "selection") if meta.get("source", {}).get(k)}
         return Source(tensors, model, meta.get("level", 0), meta.get("level_maps", []),
-                      {"kind": "full", "path": os.path.abspath(path)})
+                      {"kind": "full", "path": os.path.abspath(path), **ode})
     if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isdir(os.path.join(path, "checkpoints")):
         raise ValueError(f"{path} looks like a Hugging Face checkpoint; convert it with from-hf first")
     from megatron_multilevel.checkpoints.deepspeed_reader import merge_tensor_parallel, open_checkpoint, rank_state_dicts
@@ -49,10 +50,12 @@ def load_source(path: str) -> Source:
     shards = rank_state_dicts(ckpt)
     tensors = merge_tensor_parallel(shards, ckpt.model)
     state = ckpt.sidecar["state"]
+    # The ODE strategy: which fine layers a coarse phase's model holds.
+    ode = {k: ckpt.sidecar[k] for k in ("strategy", "selection") if ckpt.sidecar.get(k)}
     return Source(tensors, ckpt.model, ckpt.level, ckpt.sidecar["level_maps"],
                   {"kind": "deepspeed", "path": ckpt.path, "tag": ckpt.tag, "tensor_model_parallel_size": ckpt.tp,
                    "zero_stage": ckpt.zero_stage, "phase": state["phase"], "step": state["step"],
-                   "global_step": state["global_step"]}, shards)
+                   "global_step": state["global_step"], **ode}, shards)
 
 
 def _require(ok: bool, what: str) -> None:
@@ -115,6 +118,10 @@ def coalesce_checkpoint(src: str, out: str, *, width: bool, depth: bool, width_p
 def decoalesce_checkpoint(src: str, out: str, *, level_map: Optional[str], fmt: str, overwrite: bool) -> None:
     prepare_output(out, overwrite, src)
     source = load_source(src)
+    if "selection" in source.description:
+        selection = LayerSelection.from_json(source.description["selection"])
+        raise ValueError(f"{src} is a coarse model of the ODE strategy ({selection.describe()}); it is not "
+                         f"de-coalesced: the run writes its change back into the fine model it was restricted from")
     if level_map is not None:
         with open(level_map) as f:
             lm = LevelMap.from_json(f.read())

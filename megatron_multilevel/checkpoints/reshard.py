@@ -9,9 +9,12 @@ with the consolidated model's.
 """
 
 import copy
+import functools
 import json
 import os
 import shutil
+
+import torch.distributed as dist
 
 
 from megatron_multilevel.checkpoints import verify
@@ -20,6 +23,15 @@ from megatron_multilevel.checkpoints.full import prepare_output
 from megatron_multilevel.config import config_to_dict, load_config
 from megatron_multilevel.training.checkpoint import checkpoint_dir, read_latest, state_of
 from megatron_multilevel.training.metrics import METRICS_FILE
+
+
+def _copy_extra(source: str, target: str) -> None:
+    """The files a checkpoint keeps beside DeepSpeed's in a layout-free form (the ODE strategy's
+    coherence vector, full tensors): copied as they are."""
+    from megatron_multilevel.parallel.coherence import FILE
+
+    if dist.get_rank() == 0 and os.path.exists(os.path.join(source, FILE)):
+        shutil.copy(os.path.join(source, FILE), os.path.join(target, FILE))
 
 
 def _rank_worker(rank, world, config_dict, out, items, tokens):
@@ -46,7 +58,7 @@ def _rank_worker(rank, world, config_dict, out, items, tokens):
         engine = levels.engine(model, phase.level, phase.lr.peak, factor)
         engine.lr_scheduler.last_epoch = state.step - 1
         engine.lr_scheduler.step()  # the schedule continues where the run stood
-        checkpoint.save(engine, out, state, meta=item["meta"])
+        checkpoint.save(engine, out, state, meta=item["meta"], extra=functools.partial(_copy_extra, item["path"]))
         if item["latest"]:
             fresh = levels.engine(levels.build_empty_model(phase.level), phase.level, phase.lr.peak, factor)
             checkpoint.load(fresh, out, checkpoint.tag_of(state.phase, state.step))
@@ -76,10 +88,11 @@ def reshard(src: str, out: str, *, target_tp: int, overwrite: bool = False) -> N
     for tag in tags:
         ckpt = open_checkpoint(os.path.join(checkpoint_dir(src), tag))
         tensors = merge_tensor_parallel(rank_state_dicts(ckpt), ckpt.model)
-        meta = {k: v for k, v in ckpt.sidecar.items() if k in ("model", "level_maps", "config_phases")}
+        meta = {k: v for k, v in ckpt.sidecar.items() if k in ("model", "level_maps", "config_phases", "strategy",
+                                                                "selection")}
         meta["config"] = config_to_dict(parsed)
         items.append({"tensors": tensors, "state": ckpt.sidecar["state"], "meta": meta, "latest": tag == latest_tag,
-                      "model": ckpt.model})
+                      "model": ckpt.model, "path": ckpt.path})
     latest = items[-1]
     tokens = verify.fixed_tokens(latest["model"])
     full_logits = verify.logits_full(latest["tensors"], latest["model"], tokens)

@@ -22,7 +22,8 @@ from megatron_multilevel.config import ModelConfig
 from megatron_multilevel.parallel.tp_layout import partition_dim, shard, unshard
 from megatron_multilevel.plan import layer_prefix, parameter_plan
 
-StateKey = Optional[Literal["exp_avg", "exp_avg_sq"]]
+StateKey = Optional[Literal["exp_avg", "exp_avg_sq", "momentum_buffer"]]
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 Storage = Literal["memory", "cpu", "disk"]
 STORAGES = ("memory", "cpu", "disk")
 
@@ -67,23 +68,34 @@ def _inner_torch_optimizer(optimizer):
 
 
 def materialize_adam_state(optimizer) -> None:
-    """Create Adam's state (zero moments, step 0) for every parameter that has none yet.
+    """Create Adam's state (zero moments, step 0) for every parameter that has none yet."""
+    materialize_optimizer_state(optimizer, ADAM_KEYS)
 
-    Torch's Adam, and DeepSpeed's ZeRO optimizers around it, create their state lazily at the
-    first step; moments can only be written into a state that exists.
+
+def materialize_optimizer_state(optimizer, keys: Sequence[str]) -> None:
+    """Create the state ``keys`` (zeros; Adam's also step 0) for every parameter that has none yet.
+
+    Torch's Adam and SGD, and DeepSpeed's ZeRO optimizers around them, create their state lazily
+    at the first step; moments can only be written into a state that exists. A zero state is what
+    a fresh Adam starts from, and what SGD's momentum starts from without dampening.
     """
     inner = _inner_torch_optimizer(optimizer)
     params = [p for group in inner.param_groups for p in group["params"]]
     # ZeRO-3 hands its flat fp32 partitions to the torch optimizer only during a step.
     params += list(getattr(optimizer, "fp32_partitioned_groups_flat", []))
+    adam = "exp_avg" in keys
     for p in params:
         state = inner.state[p]
         if not state:
-            state["step"] = torch.tensor(0.0)
-            for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if inner.defaults.get("amsgrad") else ()):
+            if adam:
+                state["step"] = torch.tensor(0.0)
+            for key in tuple(keys) + (("max_exp_avg_sq",) if adam and inner.defaults.get("amsgrad") else ()):
                 state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    # ZeRO-1/2 and the bf16 optimizer link each parameter to its slice of the flat state lazily.
+    # ZeRO-1/2 and the bf16 optimizer link each parameter to its slice of the flat state lazily, once,
+    # right after the first step of the first parameter group: link again, or the parameters of the
+    # other groups (no weight decay) stay linked to the empty state they had then.
     if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._hp_optimizer_states_linked = False
         optimizer._lazy_init_hp_params_optimizer_state()
 
 

@@ -255,18 +255,21 @@ def prolong(
 
 
 def load_moments(engine, staged: Staged) -> None:
-    """Load staged Adam moments into a freshly initialised DeepSpeed engine (ZeRO 0-3)."""
+    """Load staged optimizer moments (Adam's, or SGD's momentum) into a freshly initialised
+    DeepSpeed engine (ZeRO 0-3)."""
     if not staged.moments:
         return
-    from megatron_multilevel.parallel.streams import _inner_torch_optimizer, materialize_adam_state
+    from megatron_multilevel.parallel.streams import _inner_torch_optimizer, materialize_optimizer_state
 
-    materialize_adam_state(engine.optimizer)
+    materialize_optimizer_state(engine.optimizer, tuple(staged.moments))
     for key, snapshot in staged.moments.items():
         writer = ModelWriter(
             engine.module, staged.cfg, Groups.current(), local=staged.local,
             optimizer=engine.optimizer, state_key=key,
         )
         _copy_stream(snapshot, writer, staged.cfg.num_layers)
+    if "exp_avg" not in staged.moments:
+        return  # SGD's momentum has no step count
     # Adam's bias correction continues from the step count the moments were built over.
     for state in _inner_torch_optimizer(engine.optimizer).state.values():
         state["step"] = torch.tensor(float(staged.step))

@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ class RunState:
     """One summary row per finished phase."""
     log_window: list = field(default_factory=list)
     """Training losses since the last logged step (a resumed run logs the same means)."""
+    ode: dict = field(default_factory=dict)
+    """ODE strategy: values of the open coarse phase a resume needs (the line search's
+    ``reference_loss``)."""
 
 
 def tag_of(phase: int, step: int) -> str:
@@ -87,8 +90,10 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(engine, run_dir: str, state: RunState, *, meta: dict) -> str:
-    """Save a checkpoint of ``engine`` at ``state`` (collective); returns its tag."""
+def save(engine, run_dir: str, state: RunState, *, meta: dict,
+         extra: Optional[Callable[[str], None]] = None) -> str:
+    """Save a checkpoint of ``engine`` at ``state`` (collective); returns its tag. ``extra(directory)``
+    writes more files into the checkpoint before it is marked complete."""
     ckpt = checkpoint_dir(run_dir)
     tag = tag_of(state.phase, state.step)
     rank = dist.get_rank()
@@ -97,6 +102,8 @@ def save(engine, run_dir: str, state: RunState, *, meta: dict) -> str:
     dist.barrier()
     engine.save_checkpoint(ckpt, tag=tag, save_latest=False)
     torch.save(_rng_state(), os.path.join(ckpt, tag, f"rng_rank{rank}.pt"))
+    if extra is not None:
+        extra(os.path.join(ckpt, tag))
     dist.barrier()
     if rank == 0:
         sidecar = {"format": FORMAT_VERSION, "tag": tag, "world_size": dist.get_world_size(), **meta,

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from megatron_multilevel.config import ModelConfig, RunConfig
+from megatron_multilevel.config import OPTIMIZER_STATE_KEYS, ModelConfig, RunConfig
 from megatron_multilevel.parallel.transition import Layout
 
 ADAM_TYPES = ("adam", "adamw")
@@ -66,8 +66,18 @@ class LevelEngines:
     def data_parallel_size(self, level: int) -> int:
         return self.world_size // self.tp_sizes[level]
 
+    def optimizer_state_keys(self) -> tuple[str, ...]:
+        """The optimizer state a transition can carry: Adam's moments, SGD's momentum (none
+        without momentum)."""
+        optimizer = self.ds_config(0, 1.0)["optimizer"]
+        kind = optimizer.get("type", "AdamW").lower()
+        if kind == "sgd" and not optimizer["params"].get("momentum", 0.0):
+            return ()
+        return OPTIMIZER_STATE_KEYS[kind]
+
     def ds_config(self, level: int, lr_peak: float) -> dict:
-        overrides = self.cfg.multilevel.levels[level].deepspeed if self.cfg.multilevel.enabled else {}
+        ml = self.cfg.multilevel
+        overrides = ml.levels[level].deepspeed if ml.enabled and ml.strategy == "coalesce" else {}
         ds = deep_merge(self.cfg.deepspeed, overrides)
         ds["train_batch_size"] = self.global_batch
         ds["train_micro_batch_size_per_gpu"] = self.micro_batch(level)
@@ -101,8 +111,12 @@ class LevelEngines:
         import deepspeed
         from megatron.core import parallel_state
 
+        from megatron_multilevel.distributed import default_backend
         from megatron_multilevel.parallel.mpu import mpu
 
+        # zero.Init reads the world through deepspeed.comm, which deepspeed.initialize sets up; before
+        # the first engine it would count one rank (and reject the batch sizes of a larger world).
+        deepspeed.init_distributed(dist_backend=default_backend())
         with deepspeed.zero.Init(
             data_parallel_group=parallel_state.get_data_parallel_group(),
             config_dict_or_path=self.ds_config(level, 1.0), mpu=mpu,

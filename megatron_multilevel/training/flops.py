@@ -24,3 +24,8 @@ def matmul_parameters(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     attention = 12 * cfg.num_layers * seq_length * cfg.num_attention_heads * cfg.kv_channels
     return 6.0 * matmul_parameters(cfg) + attention
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
+    """A forward pass alone: a third of the training FLOPs (the backward pass costs twice the forward)."""
+    return flops_per_token(cfg, seq_length) / 3.0

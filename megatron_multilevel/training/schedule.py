@@ -1,5 +1,10 @@
 """The phases of a run and the learning rate within each.
 
+The ODE strategy (``multilevel.strategy = "ode"``) is its own list: per cycle a fine ``pre`` phase,
+a ``coarse`` phase of every other layer (level 1) and a fine ``post`` phase, then a ``final`` fine
+phase. A fine phase with no steps is left out unless the model must pass through the fine level
+there (at the start, between two coarse phases, at the end).
+
 Training from scratch is one phase. Otherwise every visit of a level in the cycle
 (``MultilevelConfig.walk``) is a phase. A K-level V-cycle is ``2K - 1`` phases: each finer level
 trains ``steps_before`` (the paper's ``E_a``) and is coalesced into the next, the coarsest level
@@ -13,11 +18,11 @@ choice).
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
-from megatron_multilevel.config import LevelConfig, LRConfig, RunConfig
+from megatron_multilevel.config import LevelConfig, LRConfig, OdeConfig, RunConfig
 
-Arrival = Literal["fresh", "coalesce", "decoalesce", "grow"]
+Arrival = Literal["fresh", "coalesce", "decoalesce", "grow", "restrict", "prolong", "continue"]
 
 
 @dataclass(frozen=True)
@@ -30,19 +35,27 @@ class Phase:
     lr: LRConfig
     name: str
     """``scratch``, ``before`` (ends by coalescing), ``coarsest`` or ``after`` (ends by de-coalescing,
-    or ends the run)."""
+    or ends the run); with the ODE strategy ``pre``, ``coarse``, ``post`` or ``final``."""
     visit: int
     """How many earlier phases trained this level."""
     arrival: Arrival
     """How the model gets here: initialised (or loaded), by coalescing the finer level, by
     de-coalescing the coarser one and interpolating with this level's model from before it was
-    coalesced, or by de-coalescing with nothing to interpolate with (growing, alpha 1)."""
+    coalesced, or by de-coalescing with nothing to interpolate with (growing, alpha 1); with the
+    ODE strategy by restriction, by prolongation (the coarse change written back), or by carrying
+    the same level's model over into a new phase (``continue``)."""
+    cycle: Optional[int] = None
+    """ODE strategy: the cycle the phase belongs to (None for the final phase)."""
+    parity: Optional[int] = None
+    """ODE strategy, coarse phases: the fine layers the coarse model keeps (0 even, 1 odd)."""
 
 
 def build_phases(cfg: RunConfig) -> list[Phase]:
     ml = cfg.multilevel
     if not ml.enabled:
         return [Phase(0, 0, cfg.training.train_steps, cfg.training.lr, "scratch", visit=0, arrival="fresh")]
+    if ml.strategy == "ode":
+        return _ode_phases(ml.ode)
     walk = ml.walk()
     coarsest = ml.num_levels - 1
     phases, coalesced = [], set()
@@ -53,6 +66,28 @@ def build_phases(cfg: RunConfig) -> list[Phase]:
         steps, lr = _visit_schedule(ml.levels[level], name, visit)
         arrival = _arrival(walk[i - 1] if i else None, level, coalesced)
         phases.append(Phase(i, level, steps, lr, name, visit=visit, arrival=arrival))
+    return phases
+
+
+def _ode_phases(ode: OdeConfig) -> list[Phase]:
+    """``pre``, ``coarse``, ``post`` per cycle, then ``final``; empty fine phases only where the
+    model must be at the fine level."""
+    specs = []  # (level, steps, lr, name, cycle, parity)
+    for c in range(ode.cycles):
+        if ode.pre_steps or not specs or specs[-1][0] == 1:
+            specs.append((0, ode.pre_steps, ode.fine_lr, "pre", c, None))
+        specs.append((1, ode.coarse_steps, ode.coarse_lr, "coarse", c, ode.parity(c)))
+        if ode.post_steps:
+            specs.append((0, ode.post_steps, ode.fine_lr, "post", c, None))
+    if ode.final_steps or specs[-1][0] == 1:
+        specs.append((0, ode.final_steps, ode.final_lr or ode.fine_lr, "final", None, None))
+    phases = []
+    for i, (level, steps, lr, name, cycle, parity) in enumerate(specs):
+        visit = sum(1 for p in phases if p.level == level)
+        previous = phases[-1].level if phases else None
+        arrival = ("fresh" if previous is None else "restrict" if level > previous else
+                   "prolong" if level < previous else "continue")
+        phases.append(Phase(i, level, steps, lr, name, visit=visit, arrival=arrival, cycle=cycle, parity=parity))
     return phases
 
 

@@ -1,8 +1,9 @@
-"""The training driver: from scratch (multilevel disabled) or a V-, W-, F- or grow cycle, GPT or BERT.
+"""The training driver: from scratch (multilevel disabled), a V-, W-, F- or grow cycle, or the ODE
+strategy's cycles (``ode_cycle.py``), GPT or BERT.
 
 A run is a list of phases (``schedule.py``); between phases of different levels the model is
 coalesced, or de-coalesced and interpolated with the level's model from before it was coalesced
-(``parallel/transition.py``). Checkpoints are saved periodically and at the end of every phase,
+(``parallel/transition.py``); with the ODE strategy restricted, prolonged or carried over. Checkpoints are saved periodically and at the end of every phase,
 so that a killed run, transition included, resumes from the last one and follows the same
 trajectory.
 """
@@ -27,6 +28,7 @@ from megatron_multilevel.training.checkpoint import RunState
 from megatron_multilevel.training.engines import LevelEngines
 from megatron_multilevel.training.flops import flops_per_token
 from megatron_multilevel.training.metrics import Metrics
+from megatron_multilevel.training.ode_cycle import OdeCycle
 from megatron_multilevel.training.schedule import Phase, build_phases, lr_factor
 
 
@@ -57,13 +59,15 @@ class Trainer:
         self.tokens_per_step = self.levels.global_batch * self.seq
         self.snapshots = {}
         self.engine = None
+        ml = cfg.multilevel
+        self.ode = OdeCycle(self) if ml.enabled and ml.strategy == "ode" else None
 
     # ---------------------------------------------------------------- setup and resume
     def _level_maps(self, sidecar: "dict | None") -> list[LevelMap]:
         if sidecar is not None:
             return [LevelMap.from_json(text) for text in sidecar["level_maps"]]
         ml = self.cfg.multilevel
-        if not ml.enabled:
+        if not ml.enabled or ml.strategy == "ode":  # the ODE strategy's selections are in the phases
             return []
         return [
             make_level_map(
@@ -87,7 +91,7 @@ class Trainer:
                 f"differ); use another training.output_dir"
             )
         saved = sidecar.get("config_phases")
-        if saved is not None and [(p["level"], p["steps"]) for p in saved] != [(p.level, p.steps) for p in self.phases]:
+        if saved is not None and saved != self._config_phases():
             raise ValueError(f"the checkpoint in {self.run_dir} follows a different schedule; use another training.output_dir")
 
     def _start(self) -> RunState:
@@ -109,11 +113,13 @@ class Trainer:
         state = checkpoint.state_of(sidecar)
         self.metrics = Metrics(self.run_dir, enabled=self.rank == 0, resume_global_step=state.global_step)
         self.metrics.say(f"resuming from {tag} (phase {state.phase + 1}/{len(self.phases)}, step {state.step})")
-        for level, before_tag in sorted(state.open_levels.items()):
+        for level, before_tag in sorted(state.open_levels.items()) if self.ode is None else ():
             self.snapshots[level] = self._snapshot_from_checkpoint(level, before_tag)
         phase = self.phases[state.phase]
         self.engine = self._engine(self.levels.build_empty_model(phase.level), phase)
         checkpoint.load(self.engine, self.run_dir, tag, restore_rng=sidecar["world_size"] == dist.get_world_size())
+        if self.ode is not None:
+            self.ode.resume(state, phase, tag)
         self.metrics.record("resume", global_step=state.global_step, phase=state.phase, tag=tag)
         return state
 
@@ -150,9 +156,9 @@ class Trainer:
         )
         return micro_batches(dataset, self.cfg.model.kind, indices).to(_device())
 
-    def _loss(self, level: int, batch: Batch):
+    def _loss(self, level: int, batch: Batch, engine=None):
         return language_model_loss(
-            self.engine, self.levels.models[level], batch.tokens, batch.labels, batch.loss_mask,
+            engine or self.engine, self.levels.models[level], batch.tokens, batch.labels, batch.loss_mask,
             padding_mask=batch.padding_mask, tokentype_ids=batch.tokentype_ids,
         )
 
@@ -201,10 +207,18 @@ class Trainer:
         self.metrics.say(f"[level {phase.level} | phase {phase.index + 1}/{len(self.phases)} | "
                          f"step {self.state.step}/{phase.steps}] validation loss {loss:.4f}")
 
+    def _config_phases(self) -> list[dict]:
+        """The schedule a resume must follow: level and steps of every phase (and the ODE coarse parity)."""
+        return [{"level": p.level, "steps": p.steps, **({} if p.parity is None else {"parity": p.parity})}
+                for p in self.phases]
+
     def _save(self) -> None:
         t0 = time.perf_counter()
-        meta = {**self._meta(), "config_phases": [{"level": p.level, "steps": p.steps} for p in self.phases]}
-        checkpoint.save(self.engine, self.run_dir, self.state, meta=meta)
+        meta = {**self._meta(), "config_phases": self._config_phases()}
+        if self.ode is not None:
+            meta.update(self.ode.meta(self.phases[self.state.phase]))
+        checkpoint.save(self.engine, self.run_dir, self.state, meta=meta,
+                        extra=None if self.ode is None else self.ode.save_extra)
         checkpoint.rotate(self.run_dir, self.state, self.cfg.training.keep_checkpoints)
         self.state.counters["checkpoint_seconds"] += time.perf_counter() - t0
 
@@ -274,10 +288,18 @@ class Trainer:
                 "train_seconds_start": self.state.counters["train_seconds"],
                 "transition_seconds": 0.0, "train_loss": None, "valid_loss": None,
             })
+            if self.ode is not None:
+                row = self.state.phases[-1]
+                row.update(cycle=p.cycle, extra_flops=0.0)
+                if p.parity is not None:
+                    row["fine_layers"] = list(self.ode.selection(p).layers)
         return self.state.phases[phase.index]
 
     # ---------------------------------------------------------------- transitions
     def _transition(self, phase: Phase, nxt: Phase, end_tag: str) -> None:
+        if self.ode is not None:
+            self._ode_transition(phase, nxt)
+            return
         ml = self.cfg.multilevel
         mapped = ml.optimizer_state == "map"
         t0 = time.perf_counter()
@@ -321,6 +343,19 @@ class Trainer:
             f"hidden {m.hidden_size}, {m.num_attention_heads} heads"
         )
 
+    def _ode_transition(self, phase: Phase, nxt: Phase) -> None:
+        t0 = time.perf_counter()
+        what, extra_flops = self.ode.transition(phase, nxt)
+        seconds = time.perf_counter() - t0
+        self.state.counters["transition_seconds"] += seconds
+        self.state.counters["flops"] += extra_flops
+        row = self._phase_row(nxt)
+        row["transition_seconds"] += seconds
+        row["flops"] += extra_flops
+        row["extra_flops"] += extra_flops
+        m = self.levels.models[nxt.level]
+        self.metrics.say(f"level {phase.level} -> {nxt.level}: {what} in {seconds:.2f} s; now {m.num_layers} layers")
+
     # ---------------------------------------------------------------- the run
     def run(self) -> dict:
         self.started = time.perf_counter()
@@ -338,7 +373,7 @@ class Trainer:
             phase = self.phases[state.phase]
             row = self._phase_row(phase)
             if row["valid_loss"] is None:  # not finished (a resumed run may stand at its end)
-                if state.step == 0 and phase.arrival in ("decoalesce", "grow"):
+                if state.step == 0 and phase.arrival in ("decoalesce", "grow", "prolong"):
                     self._record_valid(phase, self._evaluate(phase.level))
                 self._train_phase(phase)
                 row["valid_loss"] = self._evaluate(phase.level)
@@ -360,6 +395,7 @@ class Trainer:
             "totals": {**c, "wall_seconds": c["train_seconds"] + c["transition_seconds"], "steps": self.total_steps,
                        "final_valid_loss": self.state.phases[-1]["valid_loss"]},
             "multilevel": self.cfg.multilevel.enabled,
+            "strategy": self.cfg.multilevel.strategy,
         }
         if self.rank == 0:
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:

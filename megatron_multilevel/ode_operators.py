@@ -1,0 +1,149 @@
+"""Restriction and prolongation of the multilevel ODE strategy, on full (unsharded) tensors.
+
+Pure maths: no ``torch.distributed`` here; ``parallel/ode_transition.py`` applies these functions to
+live models, one parameter at a time.
+
+A pre-LN layer is one Euler step ``x <- x + h F(x; theta_l)``. The coarse model of a
+:class:`~megatron_multilevel.level_maps.LayerSelection` takes every other layer with a step
+``residual_scale`` times as long:
+
+- restriction ``R``: coarse layer ``i`` is a copy of fine layer ``2i + parity`` with its
+  residual-branch outputs (``ParamRule.residual``) multiplied by ``s = residual_scale``; the shared
+  parameters (embeddings, final norm, output layer) are copied. ``R`` is linear and acts on
+  gradients and optimizer moments the same way (``degree`` 2 for squared moments).
+- prolongation: the fine model before restriction plus the coarse change, ``theta_h + c P (theta_H_end
+  - theta_H_start)``, where ``P`` divides the residual-branch outputs by ``s`` and writes coarse layer
+  ``i``'s change into fine layer ``2i + parity`` (``correction``), and also into the skipped layer of
+  the same pair (``constant``) or the mean of the two neighbouring changes into each skipped layer
+  (``linear``). With no coarse change the fine model comes back bit for bit; multiplying and dividing
+  by 1 or 2 is exact in binary floating point.
+"""
+
+from typing import Literal, Mapping, Optional, Sequence
+
+import torch
+
+from megatron_multilevel.level_maps import LayerSelection
+from megatron_multilevel.operators import split_layers
+from megatron_multilevel.plan import is_metadata, layer_prefix, parameter_plan
+
+StateDict = dict[str, torch.Tensor]
+Prolongation = Literal["correction", "constant", "linear"]
+PROLONGATIONS = ("correction", "constant", "linear")
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+def scale_residuals(layer: Mapping[str, torch.Tensor], selection: LayerSelection, factor: float) -> StateDict:
+    """A copy of one layer (names local to the layer) with its residual-branch outputs times ``factor``."""
+    rules = parameter_plan(selection.fine).layer
+    out = {}
+    for name, t in layer.items():
+        if is_metadata(name):
+            continue
+        if name not in rules:
+            raise ValueError(f"parameter {name!r} is not in the multilevel plan; known: {sorted(rules)}")
+        if rules[name].residual and factor != 1.0:
+            out[name] = (t.to(_compute_dtype(t)) * factor).to(t.dtype)
+        else:
+            out[name] = t.clone()
+    return out
+
+
+def restrict_layer(fine_layer: Mapping[str, torch.Tensor], selection: LayerSelection, *, degree: int = 1) -> StateDict:
+    """The coarse layer made from its fine layer; ``degree`` 2 for squared quantities (Adam's
+    second moment)."""
+    return scale_residuals(fine_layer, selection, float(selection.residual_scale) ** degree)
+
+
+def unrestrict_layer(coarse_layer: Mapping[str, torch.Tensor], selection: LayerSelection, *,
+                     degree: int = 1) -> StateDict:
+    """The inverse of :func:`restrict_layer` (used to carry optimizer moments back)."""
+    return scale_residuals(coarse_layer, selection, float(selection.residual_scale) ** -degree)
+
+
+def restrict(state_dict: Mapping[str, torch.Tensor], selection: LayerSelection, *, degree: int = 1) -> StateDict:
+    """The coarse model's parameters (or gradients, or moments) from the fine model's full state dict."""
+    model, layers = split_layers(state_dict, selection.fine, selection.fine.num_layers, "fine")
+    out = {name: t.clone() for name, t in model.items()}
+    for i, j in enumerate(selection.layers):
+        coarse = restrict_layer(layers[j], selection, degree=degree)
+        out.update({layer_prefix(selection.coarse, i) + name: t for name, t in coarse.items()})
+    return out
+
+
+def coarse_change(start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor], selection: LayerSelection,
+                  correction_scale: float, *, layer: bool) -> StateDict:
+    """``correction_scale * (end - start)`` in the fine model's scale (residual-branch outputs of a
+    layer divided by the residual scale), in the compute dtype."""
+    out = {}
+    for name, e in end.items():
+        if is_metadata(name):
+            continue
+        out[name] = e.to(_compute_dtype(e)) - start[name].to(_compute_dtype(e))
+    if layer:
+        out = scale_residuals(out, selection, 1.0 / selection.residual_scale)
+    if correction_scale != 1.0:
+        out = {name: t * correction_scale for name, t in out.items()}
+    return out
+
+
+def prolongation_sources(selection: LayerSelection, prolongation: Prolongation) -> list[list[tuple[int, float]]]:
+    """For each fine layer, the coarse layers whose change it receives, with their weights."""
+    if prolongation not in PROLONGATIONS:
+        raise ValueError(f"invalid prolongation {prolongation!r}; valid choices are {list(PROLONGATIONS)}")
+    coarse_of = {j: i for i, j in enumerate(selection.layers)}
+    sources = []
+    for j in range(selection.fine.num_layers):
+        if j in coarse_of:
+            sources.append([(coarse_of[j], 1.0)])
+        elif prolongation == "correction":
+            sources.append([])
+        elif prolongation == "constant":  # the coarse layer of the pair (2k, 2k + 1)
+            sources.append([(j // 2, 1.0)])
+        else:
+            neighbours = [coarse_of[n] for n in (j - 1, j + 1) if n in coarse_of]
+            sources.append([(i, 1.0 / len(neighbours)) for i in neighbours])
+    return sources
+
+
+def add_change(before: Mapping[str, torch.Tensor], changes: Sequence[tuple[Mapping[str, torch.Tensor], float]]
+               ) -> StateDict:
+    """``before + sum(weight * change)``, parameter by parameter; a copy of ``before`` with no change."""
+    out = {}
+    for name, t in before.items():
+        if is_metadata(name):
+            continue
+        if not changes:
+            out[name] = t.clone()
+            continue
+        total = None
+        for change, weight in changes:
+            part = change[name] if weight == 1.0 else change[name] * weight
+            total = part if total is None else total + part
+        out[name] = (t.to(total.dtype) + total).to(t.dtype)
+    return out
+
+
+def prolong(fine_before: Mapping[str, torch.Tensor], coarse_end: Mapping[str, torch.Tensor],
+            selection: LayerSelection, *, prolongation: Prolongation = "correction", correction_scale: float = 1.0,
+            coarse_start: Optional[Mapping[str, torch.Tensor]] = None) -> StateDict:
+    """The fine model after a coarse phase: ``fine_before`` plus the prolonged coarse change.
+
+    ``coarse_start`` is the coarse model the phase started from; None means ``restrict(fine_before)``
+    (what the restriction wrote).
+    """
+    if coarse_start is None:
+        coarse_start = restrict(fine_before, selection)
+    fine_model, fine_layers = split_layers(fine_before, selection.fine, selection.fine.num_layers, "fine")
+    start_model, start_layers = split_layers(coarse_start, selection.fine, selection.coarse.num_layers, "coarse start")
+    end_model, end_layers = split_layers(coarse_end, selection.fine, selection.coarse.num_layers, "coarse end")
+    out = add_change(fine_model, [(coarse_change(start_model, end_model, selection, correction_scale, layer=False),
+                                   1.0)])
+    changes = [coarse_change(s, e, selection, correction_scale, layer=True) for s, e in zip(start_layers, end_layers)]
+    for j, sources in enumerate(prolongation_sources(selection, prolongation)):
+        layer = add_change(fine_layers[j], [(changes[i], w) for i, w in sources])
+        out.update({layer_prefix(selection.fine, j) + name: t for name, t in layer.items()})
+    return out

@@ -1,0 +1,254 @@
+"""The ODE strategy end to end through the real launcher: phases, schedules, FLOPs, checkpoints at
+every transition, resume after a kill anywhere, SGD and AdamW, GPT and BERT, two processes."""
+
+import json
+
+import pytest
+
+from launch_helpers import launch, losses, make_corpus, preprocess, records, small_config
+
+SEQ, GLOBAL_BATCH = 32, 8
+ODE = {
+    "cycles": 2, "pre_steps": 2, "coarse_steps": 3, "post_steps": 2, "final_steps": 2,
+    "fine_lr": {"peak": 2e-3, "decay": "constant"}, "coarse_lr": {"peak": 4e-3, "decay": "constant"},
+    "final_lr": {"peak": 1e-3, "decay": "constant"},
+}
+# AdamW, moments mapped, coherence and line search on: every piece of state a resume needs
+FULL = {**ODE, "optimizer_state": "map", "coherence": "first_order", "line_search": True, "prolongation": "linear"}
+SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("data")
+    inputs = make_corpus(tmp / "corpus")
+    assert preprocess(inputs, tmp / "gpt").returncode == 0
+    bert = preprocess(inputs, tmp / "bert", split_sentences=True, tokenizer_model=str(tmp / "gpt.model"))
+    assert bert.returncode == 0, bert.stderr
+    return {"gpt": str(tmp / "gpt"), "bert": str(tmp / "bert"), "model": str(tmp / "gpt.model")}
+
+
+def _config(tmp_path, corpus, name, *, ode, kind="gpt", **blocks):
+    """The tests' tiny run (4 layers, hidden 64) with the ODE strategy's block."""
+    path = small_config(tmp_path / f"{name}.json", kind=kind, prefix=corpus[kind], tokenizer_model=corpus["model"],
+                        output_dir=tmp_path / name, **blocks)
+    config = json.loads(path.read_text())
+    config["multilevel"] = {"enabled": True, "strategy": "ode", "ode": ode}
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
+def _ok(result):
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def _summary(run):
+    return json.loads((run / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus):
+    tmp = tmp_path_factory.mktemp("reference")
+    training = {"output_dir": str(tmp / "run"), "log_interval": 1, "eval_interval": 4, "eval_batches": 2,
+                "save_interval": 3, "seed": 5, "keep_checkpoints": 100}
+    result = _ok(launch(_config(tmp, corpus, "run", ode=FULL, training=training)))
+    return {"dir": tmp / "run", "stdout": result.stdout}
+
+
+def _flops(num_layers):
+    from megatron_multilevel.config import ModelConfig
+    from megatron_multilevel.training.flops import flops_per_token
+
+    cfg = ModelConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=4, vocab_size=512,
+                      max_sequence_length=SEQ)
+    return flops_per_token(cfg, SEQ) * SEQ * GLOBAL_BATCH  # one step
+
+
+def test_one_process_ode_cycles(reference):
+    run, out = reference["dir"], reference["stdout"]
+    summary = _summary(run)
+    phases = summary["phases"]
+    assert summary["strategy"] == "ode"
+    assert [(p["level"], p["name"], p["steps"]) for p in phases] == [
+        (0, "pre", 2), (1, "coarse", 3), (0, "post", 2), (0, "pre", 2), (1, "coarse", 3), (0, "post", 2),
+        (0, "final", 2)]
+    assert [p.get("fine_layers") for p in phases if p["level"] == 1] == [[0, 2], [1, 3]]  # alternating
+    assert [p["model"]["num_layers"] for p in phases] == [4, 2, 4, 4, 2, 4, 4]
+    assert {p["model"]["hidden_size"] for p in phases} == {64}
+    assert "restricted to the even fine layers [0, 2] of 4" in out and "restricted to the odd fine layers [1, 3]" in out
+    assert out.count("prolonged (linear") == 2 and out.count("carried over with its optimizer state") == 2
+    # each phase trains at its own schedule
+    lrs = {(r["phase"], r["lr"]) for r in records(run, "train")}
+    assert lrs == {(0, 2e-3), (1, 4e-3), (2, 2e-3), (3, 2e-3), (4, 4e-3), (5, 2e-3), (6, 1e-3)}
+    # FLOPs: coarse steps have half the layers; coherence costs a fine and a coarse step, the line
+    # search a fine forward pass (a third of a step) per loss
+    fine, coarse = _flops(4), _flops(2)
+    searches = records(run, "line_search")
+    assert [r["phase"] for r in searches] == [2, 5]
+    for p in phases:
+        extra = 0.0
+        if p["name"] == "coarse":
+            extra = fine + coarse + fine / 3
+        elif p["name"] == "post":
+            extra = fine / 3 * len(searches[p["cycle"]]["losses"])
+        assert p["extra_flops"] == pytest.approx(extra, rel=1e-12), p
+        assert p["flops"] == pytest.approx(p["steps"] * (coarse if p["level"] else fine) + extra, rel=1e-12), p
+    totals = summary["totals"]
+    assert totals["flops"] == pytest.approx(sum(p["flops"] for p in phases), rel=1e-12)
+    assert records(run, "train")[-1]["flops"] == pytest.approx(totals["flops"], rel=1e-12)
+    # a checkpoint at the end of every phase, i.e. at every transition
+    ckpts = run / "checkpoints"
+    for p in phases:
+        assert (ckpts / f"phase{p['phase']:02d}-step{p['steps']:07d}").is_dir(), p
+    coarse_ckpt = ckpts / "phase01-step0000001"  # periodic, mid coarse phase
+    sidecar = json.loads((coarse_ckpt / "multilevel.json").read_text())
+    assert json.loads(sidecar["selection"])["parity"] == 0 and sidecar["state"]["open_levels"] == {"0": "phase00-step0000002"}
+    assert "reference_loss" in sidecar["state"]["ode"] and (coarse_ckpt / "coherence.pt").is_file()
+    # every return to the fine level is scored at once, and the run learns
+    valid = records(run, "valid")
+    assert [(r["phase"], r["step"]) for r in valid if r["step"] == 0] == [(2, 0), (5, 0)]
+    assert valid[-1]["loss"] < valid[0]["loss"] - 0.3
+
+
+def _crash_and_resume(tmp_path, corpus, crash_at, ode, **blocks):
+    config = _config(tmp_path, corpus, "run", ode=ode, **blocks)
+    crashed = launch(config, env={"MEGATRON_MULTILEVEL_CRASH_AT": crash_at})
+    assert crashed.returncode != 0
+    resumed = _ok(launch(config))
+    assert "resuming from" in resumed.stdout
+    return tmp_path / "run"
+
+
+def _assert_same_run(run, reference_dir, tol):
+    ours, ref = losses(run), losses(reference_dir)
+    assert [r[:2] for r in ours] == [r[:2] for r in ref]
+    for a, b in zip(ours, ref):
+        assert a[2] == pytest.approx(b[2], abs=tol), (a, b)
+    assert _summary(run)["totals"]["final_valid_loss"] == pytest.approx(
+        _summary(reference_dir)["totals"]["final_valid_loss"], abs=tol)
+
+
+# Global steps: pre 1-2, coarse 3-5 (a checkpoint at 3), post 6-7, pre 8-9, coarse 10-12, post 13-14, final 15-16.
+@pytest.mark.parametrize("crash_at, resumed_phase", [("step4", 1), ("transition2", 1), ("transition4", 3)],
+                         ids=["mid-coarse", "during-prolongation", "during-restriction"])
+def test_resume_after_kill_follows_the_same_trajectory(reference, corpus, tmp_path, crash_at, resumed_phase):
+    training = {"output_dir": str(tmp_path / "run"), "log_interval": 1, "eval_interval": 4, "eval_batches": 2,
+                "save_interval": 3, "seed": 5, "keep_checkpoints": 100}
+    run = _crash_and_resume(tmp_path, corpus, crash_at, FULL, training=training)
+    assert [r["phase"] for r in records(run, "resume")] == [resumed_phase]
+    _assert_same_run(run, reference["dir"], 1e-6)
+
+
+@pytest.fixture(scope="module")
+def sgd_reference(tmp_path_factory, corpus):
+    """SGD with momentum kept across the coarse phases, always the even layers, constant prolongation."""
+    tmp = tmp_path_factory.mktemp("sgd")
+    ode = {**ODE, "optimizer_state": "keep", "coarse": "even", "prolongation": "constant",
+           "fine_lr": {"peak": 0.05}, "coarse_lr": {"peak": 0.05}, "final_lr": None}
+    result = _ok(launch(_config(tmp, corpus, "run", ode=ode, optimizer=SGD)))
+    return {"dir": tmp / "run", "stdout": result.stdout, "ode": ode}
+
+
+def test_sgd_with_momentum_kept(sgd_reference):
+    run = sgd_reference["dir"]
+    phases = _summary(run)["phases"]
+    assert [p.get("fine_layers") for p in phases if p["level"] == 1] == [[0, 2], [0, 2]]
+    assert sgd_reference["stdout"].count("prolonged (constant, change x1)") == 2
+    valid = records(run, "valid")
+    assert valid[-1]["loss"] < valid[0]["loss"] - 0.3
+
+
+def test_sgd_resume_mid_coarse_phase(sgd_reference, corpus, tmp_path):
+    """Killed in the first coarse phase after its checkpoint at global step 3: the kept momentum of
+    the fine model comes back from the checkpoint before the coarse phase."""
+    run = _crash_and_resume(tmp_path, corpus, "step5", sgd_reference["ode"], optimizer=SGD)
+    assert [r["phase"] for r in records(run, "resume")] == [1]
+    _assert_same_run(run, sgd_reference["dir"], 1e-6)
+
+
+def test_bert_sgd_without_momentum(corpus, tmp_path):
+    ode = {**ODE, "coherence": "first_order", "optimizer_state": "keep", "fine_lr": {"peak": 0.1},
+           "coarse_lr": {"peak": 0.1}, "final_lr": None}
+    optimizer = {"type": "SGD", "params": {"lr": 0.1}}
+    out = _ok(launch(_config(tmp_path, corpus, "run", kind="bert", ode=ode, optimizer=optimizer))).stdout
+    assert "carried over (no optimizer state to carry)" in out
+    summary = _summary(tmp_path / "run")
+    assert [p["level"] for p in summary["phases"]] == [0, 1, 0, 0, 1, 0, 0]
+    valid = records(tmp_path / "run", "valid")
+    assert valid[-1]["loss"] < valid[0]["loss"]
+
+
+def _layout_config(tmp_path, corpus, name, **blocks):
+    training = {"output_dir": str(tmp_path / name), "log_interval": 1, "eval_interval": 4, "eval_batches": 2,
+                "save_interval": 3, "seed": 5}
+    return _config(tmp_path, corpus, name, ode=FULL, training=training, **blocks)
+
+
+def test_two_processes_tensor_parallel(reference, corpus, tmp_path):
+    """TP=2 with ZeRO-1: every rank restricts and prolongs its own shards; the one-process run."""
+    config = _layout_config(tmp_path, corpus, "run", parallel={"tensor_model_parallel_size": 2},
+                            zero_optimization={"stage": 1})
+    _ok(launch(config, "--num_procs", 2))
+    _assert_same_run(tmp_path / "run", reference["dir"], 2e-4)
+
+
+def test_two_processes_zero3(corpus, tmp_path):
+    """DP=2 with ZeRO-3 (parameters gathered one at a time, the fine model kept on disk): the
+    one-process ZeRO-3 run. (A ZeRO-3 model is initialised under ``deepspeed.zero.Init``, whose
+    plain-torch parameters get their own seeded initialisation, so it does not start from the
+    weights a ZeRO-0 run starts from.)"""
+    one = _layout_config(tmp_path, corpus, "one", zero_optimization={"stage": 3})
+    _ok(launch(one))
+    two = _layout_config(tmp_path, corpus, "two", zero_optimization={"stage": 3})
+    data = json.loads(two.read_text())
+    data["multilevel"]["keep_fine"] = "disk"
+    two.write_text(json.dumps(data))
+    _ok(launch(two, "--num_procs", 2))
+    _assert_same_run(tmp_path / "two", tmp_path / "one", 2e-4)
+    assert list((tmp_path / "two" / "snapshots" / "level0" / "params").glob("*.rank1.pt"))
+
+
+def test_checkpoint_tools_on_a_coarse_phase(corpus, tmp_path):
+    """A run killed in its second coarse phase (the odd layers), at TP=2 with ZeRO-1: the tools say
+    which fine layers the latest checkpoint holds, consolidate it, refuse to de-coalesce it, and
+    reshard the run, which then finishes at the new size."""
+    import subprocess
+    import sys
+
+    from launch_helpers import ROOT
+
+    training = {"output_dir": str(tmp_path / "run"), "log_interval": 1, "eval_interval": 100, "eval_batches": 1,
+                "save_interval": 11, "seed": 5}
+    config = _config(tmp_path, corpus, "run", ode={**FULL, "line_search": False}, training=training,
+                     parallel={"tensor_model_parallel_size": 2}, zero_optimization={"stage": 1})
+    crashed = launch(config, "--num_procs", 2, env={"MEGATRON_MULTILEVEL_CRASH_AT": "step12"})
+    assert crashed.returncode != 0
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert (ckpts / "latest").read_text() == "phase04-step0000002"  # global step 11, mid coarse phase
+
+    def tool(name, *args):
+        return subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)], capture_output=True,
+                              text=True, timeout=600, cwd=ROOT)
+
+    info = tool("inspect_checkpoint.py", tmp_path / "run")
+    assert info.returncode == 0, info.stderr[-3000:]
+    assert "level 1: gpt, 2 layers, hidden 64" in info.stdout and "layout: TP=2, ZeRO stage 1" in info.stdout
+    assert "ODE strategy, coarse model: holds the odd fine layers [1, 3] of 4, residual-branch outputs x2" in info.stdout
+    out = tool("convert_checkpoint.py", "to-full", tmp_path / "run", tmp_path / "full")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "| source (TP=2) | consolidated (TP=1) |" in out.stdout
+    info = tool("inspect_checkpoint.py", tmp_path / "full", "--json")
+    assert json.loads(info.stdout)["ode_selection"]["fine_layers"] == [1, 3]
+    out = tool("convert_checkpoint.py", "decoalesce", tmp_path / "full", tmp_path / "fine")
+    assert out.returncode == 2 and "is a coarse model of the ODE strategy (the odd fine layers [1, 3]" in out.stderr
+    fine = tool("convert_checkpoint.py", "to-full", ckpts / "phase03-step0000002", tmp_path / "fine_full")
+    assert fine.returncode == 0, fine.stderr[-3000:]
+    assert "ode_selection" not in json.loads(tool("inspect_checkpoint.py", tmp_path / "fine_full", "--json").stdout)
+    out = tool("convert_checkpoint.py", "reshard", tmp_path / "run", tmp_path / "tp1", "--target-tp", 1)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (tmp_path / "tp1" / "checkpoints" / "phase04-step0000002" / "coherence.pt").is_file()
+    assert (tmp_path / "tp1" / "checkpoints" / "phase03-step0000002").is_dir()  # the fine model before the phase
+    resumed = _ok(launch(tmp_path / "tp1" / "config.json"))
+    assert "resuming from phase04-step0000002" in resumed.stdout
+    assert [p["level"] for p in _summary(tmp_path / "tp1")["phases"]] == [0, 1, 0, 0, 1, 0, 0]

@@ -1,0 +1,239 @@
+"""The ODE strategy's transitions on live models, one process and two, against the pure operators.
+
+Each case trains the fine model one step, restricts it (with the coherence vector of the next
+batch), checks that the coarse gradient at the restricted point is the restricted fine gradient,
+trains the coarse model one step, prolongs it back and trains one more step. At each point the
+parameters (and the optimizer state that is kept or mapped) are gathered with an independent
+reference gather and compared with the pure operators applied to the gathered tensors; the losses
+of every layout are compared with the one-process run.
+"""
+
+import pytest
+import torch
+
+from distributed_helpers import run_ranks
+from test_transitions import _CountCollectives, _max_diff, _reference_gather
+
+GLOBAL_BATCH = 4
+SEQ = 16
+RESIDUAL_SCALE = 2
+
+
+def _model_config(kind):
+    from megatron_multilevel.config import ModelConfig
+
+    kw = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=96, max_sequence_length=SEQ)
+    if kind == "llama":
+        kw.update(position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
+                  add_bias_linear=False, num_attention_heads=8, num_query_groups=4,
+                  share_embeddings_and_output_weights=False)
+    return ModelConfig(kind="bert" if kind == "bert" else "gpt", **kw)
+
+
+def _ds_config(case, dp):
+    if case["optimizer"] == "sgd":
+        optimizer = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}}
+    else:
+        # a large eps, so that float noise in near-zero gradients is not amplified into lr-sized differences
+        optimizer = {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-3, "weight_decay": 0.0, "torch_adam": True}}
+    return {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp, "gradient_accumulation_steps": 1,
+            "optimizer": optimizer, "zero_optimization": {"stage": case["stage"]}, "steps_per_print": 10**9,
+            "zero_allow_untested_optimizer": True}
+
+
+def _engine(model, case):
+    import deepspeed
+    from megatron.core import parallel_state as ps
+
+    from megatron_multilevel.parallel.mpu import mpu
+
+    config = _ds_config(case, ps.get_data_parallel_world_size())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
+    return engine
+
+
+def _my_batch(cfg, seed):
+    """This rank's data-parallel slice of a fixed global batch."""
+    from megatron.core import parallel_state as ps
+
+    data = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    mine = data.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+    return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+
+def _loss(model, cfg, seed):
+    from megatron_multilevel.models import language_model_loss
+
+    tokens, labels = _my_batch(cfg, seed)
+    return language_model_loss(model, cfg, tokens, labels, torch.ones_like(tokens))
+
+
+def _train_step(engine, cfg, seed):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    loss = _loss(engine, cfg, seed)
+    engine.backward(loss)
+    engine.step()
+    value = loss.detach().clone()
+    dist.all_reduce(value, group=ps.get_data_parallel_group())
+    return value.item() / ps.get_data_parallel_world_size()
+
+
+def _gather_dict(values, cfg):
+    """Full tensors of a dict of this rank's tensor-parallel shards (by the plan's layout)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_multilevel.parallel.tp_layout import partition_dim, unshard
+    from megatron_multilevel.plan import parameter_plan
+
+    plan, tp = parameter_plan(cfg), ps.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, t in values.items():
+        rule = plan.rule(name)[1]
+        if tp > 1 and partition_dim(rule) is not None:
+            shards = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(shards, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+            t = unshard(shards, rule)
+        out[name] = t
+    return out
+
+
+def _case(case):
+    from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
+    from megatron_multilevel.level_maps import LayerSelection
+    from megatron_multilevel.models import build_model
+    from megatron_multilevel.ode_operators import prolong as prolong_tensors
+    from megatron_multilevel.ode_operators import restrict as restrict_tensors
+    from megatron_multilevel.ode_operators import unrestrict_layer
+    from megatron_multilevel.parallel import coherence
+    from megatron_multilevel.parallel.ode_transition import DEGREE, prolong, restrict
+    from megatron_multilevel.parallel.streams import materialize_optimizer_state
+    from megatron_multilevel.parallel.transition import Layout, load_moments
+
+    cfg = _model_config(case["kind"])
+    sel = LayerSelection(cfg, case["parity"], RESIDUAL_SCALE)
+    layout = Layout(case["tp"], case["stage"])
+    keys = ("momentum_buffer",) if case["optimizer"] == "sgd" else ("exp_avg", "exp_avg_sq")
+    keys = () if case["state"] == "reset" else keys
+    set_tensor_model_parallel_size(layout.tensor_model_parallel_size)
+    set_seed(7)
+    fine = _engine(build_model(cfg), case)
+    out = {"losses": [_train_step(fine, cfg, seed=1)]}
+    fine_full = _reference_gather(fine, cfg)
+    fine_state = {k: _reference_gather(fine, cfg, k) for k in keys}
+    fine_grad = coherence.step_gradients(fine.module, lambda m: _loss(fine.module, cfg, 2), 1)
+    restricted_grad = restrict_tensors(_gather_dict(fine_grad, cfg), sel)
+
+    with _CountCollectives() as counter:
+        if keys:
+            materialize_optimizer_state(fine.optimizer, keys)
+        staged, before = restrict(fine.module, sel, layout=layout, ds_config=_ds_config(case, 1),
+                                  optimizer=fine.optimizer, keys=keys, map_state=case["state"] == "map")
+    del fine
+    coarse = _engine(staged.model, case)
+    load_moments(coarse, staged)
+    diffs = {"restrict": _max_diff(_reference_gather(coarse, sel.coarse), restrict_tensors(fine_full, sel))}
+    for k in keys if case["state"] == "map" else ():
+        diffs[f"restrict_{k}"] = _max_diff(_reference_gather(coarse, sel.coarse, k),
+                                           restrict_tensors(fine_state[k], sel, degree=DEGREE[k]))
+    # first-order coherence: with v added, the coarse gradient at R theta is R grad L_fine(theta)
+    coarse_grad = coherence.step_gradients(coarse.module, lambda m: _loss(coarse.module, sel.coarse, 2), 1)
+    v = {n: fine_grad_r - coarse_grad[n] for n, fine_grad_r in restrict_tensors(fine_grad, sel).items()}
+    # with two accumulation steps (the same batch twice) each gets half of v
+    hook = coherence.CoherenceHook(coarse.module, v, 2)
+    coherent = coherence.step_gradients(coarse.module, lambda m: _loss(coarse.module, sel.coarse, 2), 2)
+    diffs["coherent_gradient"] = _max_diff(_gather_dict(coherent, sel.coarse), restricted_grad)
+    hook.remove()
+    hook = coherence.CoherenceHook(coarse.module, v, 1)
+    out["coarse_gradient_was_different"] = _max_diff(_gather_dict(coarse_grad, sel.coarse), restricted_grad)
+    out["losses"].append(_train_step(coarse, sel.coarse, seed=2))  # the hook acts on this step
+    hook.remove()
+    coarse_full = _reference_gather(coarse, sel.coarse)
+    coarse_state = {k: _reference_gather(coarse, sel.coarse, k) for k in keys}
+
+    with counter:
+        staged = prolong(coarse.module, before, sel, layout=layout, prolongation=case["prolongation"],
+                         ds_config=_ds_config(case, 1), optimizer=coarse.optimizer, state=case["state"])
+    out["collectives"] = counter.count
+    del coarse
+    fine = _engine(staged.model, case)
+    load_moments(fine, staged)
+    diffs["prolong"] = _max_diff(_reference_gather(fine, cfg),
+                                 prolong_tensors(fine_full, coarse_full, sel, prolongation=case["prolongation"]))
+    for k in keys:
+        expected = dict(fine_state[k])
+        if case["state"] == "map":
+            stack = "decoder" if cfg.kind == "gpt" else "encoder"
+            expected.update({n: t for n, t in coarse_state[k].items() if not n.startswith(f"{stack}.layers.")})
+            for i, j in enumerate(sel.layers):
+                layer = {n.split(".", 3)[3]: t for n, t in coarse_state[k].items() if n.startswith(f"{stack}.layers.{i}.")}
+                expected.update({f"{stack}.layers.{j}.{n}": t
+                                 for n, t in unrestrict_layer(layer, sel, degree=DEGREE[k]).items()})
+        diffs[f"prolong_{k}"] = _max_diff(_reference_gather(fine, cfg, k), expected)
+    out["losses"].append(_train_step(fine, cfg, seed=3))
+    out["diffs"] = diffs
+    return out
+
+
+def _worker(rank, world, cases):
+    return [_case(case) for case in cases]
+
+
+def _cases(layouts, **kw):
+    base = dict(kind="gpt", optimizer="adamw", state="map", parity=1, prolongation="linear")
+    return [{**base, **kw, "tp": tp, "stage": stage} for tp, stage in layouts]
+
+
+REFERENCE_CASES = (
+    _cases([(1, 0)]) + _cases([(1, 0)], optimizer="sgd", state="keep", parity=0, prolongation="correction")
+    + _cases([(1, 0)], kind="bert", state="keep", prolongation="constant")
+    + _cases([(1, 0)], kind="llama", optimizer="sgd", state="map", parity=0)
+    + _cases([(1, 0)], state="reset", prolongation="correction")
+)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    (results,) = run_ranks(_worker, 1, tmp_path_factory.mktemp("ref"), REFERENCE_CASES)
+    return {_key(c): r for c, r in zip(REFERENCE_CASES, results)}
+
+
+def _key(case):
+    return tuple(sorted((k, v) for k, v in case.items() if k not in ("tp", "stage")))
+
+
+def _check(results, cases, reference):
+    for per_rank in zip(*results):
+        for r in per_rank[1:]:
+            assert r["losses"] == pytest.approx(per_rank[0]["losses"], abs=1e-6)
+    for case, result in zip(cases, results[0]):
+        for name, diff in result["diffs"].items():
+            tolerance = 1e-5 if name == "coherent_gradient" else 1e-6
+            assert diff < tolerance, (case, name, diff)
+        ref = reference[_key(case)]
+        assert result["losses"] == pytest.approx(ref["losses"], abs=2e-5), (case, result["losses"], ref["losses"])
+
+
+def test_one_process_matches_the_operators(reference):
+    """GPT, BERT and Llama-style GPT; AdamW and SGD with momentum; reset, keep and map; every
+    prolongation; both parities."""
+    _check([list(reference.values())], REFERENCE_CASES, reference)
+    for result in reference.values():
+        assert result["coarse_gradient_was_different"] > 1e-3  # v is not trivially zero
+        assert all(0 < loss < 10 for loss in result["losses"])
+        assert result["collectives"] == 0
+
+
+def test_two_processes(reference, tmp_path):
+    """TP=2 (shard-local: no communication), DP=2 with ZeRO-1, -2 and -3 (gathered one parameter at
+    a time), TP=2 with ZeRO-3: the one-process result."""
+    layouts = [(2, 0), (1, 1), (1, 2), (1, 3), (2, 3)]
+    cases = _cases(layouts) + _cases([(2, 0), (1, 3)], optimizer="sgd", state="keep", parity=0,
+                                     prolongation="correction")
+    cases += _cases([(2, 1)], kind="bert", state="keep", prolongation="constant")
+    cases += _cases([(1, 2)], kind="llama", optimizer="sgd", state="map", parity=0)
+    results = run_ranks(_worker, 2, tmp_path, cases)
+    _check(results, cases, reference)
+    assert results[0][0]["collectives"] == 0  # TP=2, no ZeRO-3: every rank maps its own shards
