@@ -13,11 +13,11 @@
 # Killed in the middle, a run resumes from its last checkpoint (run directories: runs/study/).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-commit="$(cat "$root/benchmarks/STUDY_COMMIT")"
 python_bin="${PYTHON:-python}"
 
 # The compared methods, the same at every point: training from scratch, the recipe's cycles and
 # progressive stacking, each at three budget fractions, over two seeds (three at the headline).
+# Fixed when the study is pinned (the exploration in docs/benchmarks.md chooses the cycles' settings).
 RECIPE=(--methods vcycle2 fcycle2 stacking --fractions 0.6 0.8 1.0 --depth-scaling ode --ea 0.1)
 
 declare -A POINTS=(
@@ -42,6 +42,12 @@ for point in "${points[@]}"; do
   [[ -n "${POINTS[$point]:-}" ]] || { echo "run_study.sh: unknown point $point (see --list)" >&2; exit 2; }
 done
 
+if [[ ! -f "$root/benchmarks/STUDY_COMMIT" ]]; then
+  echo "run_study.sh: benchmarks/STUDY_COMMIT names the commit whose code makes every run of the study;" >&2
+  echo "  pin it once, before the first run: git rev-parse HEAD > benchmarks/STUDY_COMMIT (and commit it)" >&2
+  exit 2
+fi
+commit="$(cat "$root/benchmarks/STUDY_COMMIT")"
 work="$root/.cache/study-${commit:0:12}"
 if [[ ! -d "$work" ]]; then
   git -C "$root" worktree add --detach "$work" "$commit" >/dev/null
