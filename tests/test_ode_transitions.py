@@ -13,6 +13,7 @@ import torch
 
 from distributed_helpers import run_ranks
 from test_transitions import _CountCollectives, _max_diff, _reference_gather
+from test_transitions import _model_config as _shared_model_config
 
 GLOBAL_BATCH = 4
 SEQ = 16
@@ -20,14 +21,8 @@ RESIDUAL_SCALE = 2
 
 
 def _model_config(kind):
-    from megatron_multilevel.config import ModelConfig
-
-    kw = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=96, max_sequence_length=SEQ)
-    if kind == "llama":
-        kw.update(position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
-                  add_bias_linear=False, num_attention_heads=8, num_query_groups=4,
-                  share_embeddings_and_output_weights=False)
-    return ModelConfig(kind="bert" if kind == "bert" else "gpt", **kw)
+    """``gpt``, ``bert`` or ``llama`` (a GPT with RoPE, RMSNorm, SwiGLU and GQA)."""
+    return _shared_model_config(kind, kind="bert" if kind == "bert" else "gpt")
 
 
 def _ds_config(case, dp):

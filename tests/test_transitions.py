@@ -17,7 +17,7 @@ SEQ = 16
 ALPHA = 0.25
 
 
-def _model_config(variant):
+def _model_config(variant, kind="gpt"):
     from megatron_multilevel.config import ModelConfig
 
     kw = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=96, max_sequence_length=SEQ)
@@ -25,7 +25,7 @@ def _model_config(variant):
         kw.update(position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
                   add_bias_linear=False, num_attention_heads=8, num_query_groups=4,
                   share_embeddings_and_output_weights=False)
-    return ModelConfig(**kw)
+    return ModelConfig(kind=kind, **kw)
 
 
 def _ds_config(stage, dp):
