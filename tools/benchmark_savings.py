@@ -446,15 +446,13 @@ def _write_json(path: str, value) -> None:
 
 def report(args, base: dict, names: list[str], version: str, results_dir: str, started: float, argv) -> dict:
     """Tables, plots and ``results.json`` from the kept results of this code version."""
-    results = []
+    kept = []
     for fname in sorted(os.listdir(results_dir)):
         with open(os.path.join(results_dir, fname)) as f:
-            run = json.load(f)
-        if run["version"] == version:
-            results.append(run)
+            kept.append(json.load(f))
     order = {name: i for i, name in enumerate(names)}
-    results.sort(key=lambda r: order.get(r["method"], len(order)))
-    others = sorted({json.load(open(os.path.join(results_dir, f)))["version"] for f in os.listdir(results_dir)} - {version})
+    results = sorted((run for run in kept if run["version"] == version), key=lambda r: order.get(r["method"], len(order)))
+    others = sorted({run["version"] for run in kept} - {version})
     if others:
         print(f"note: results of other code versions {others} in {results_dir} are left out", flush=True)
     times_path = os.path.join(args.results or args.out, "step_time.json")

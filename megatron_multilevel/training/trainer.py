@@ -297,12 +297,31 @@ class Trainer:
 
     # ---------------------------------------------------------------- transitions
     def _transition(self, phase: Phase, nxt: Phase, end_tag: str) -> None:
+        """Move to ``nxt``'s level and count the transition's seconds (and the ODE strategy's
+        extra FLOPs) against ``nxt``."""
+        t0 = time.perf_counter()
         if self.ode is not None:
-            self._ode_transition(phase, nxt)
-            return
+            what, extra_flops = self.ode.transition(phase, nxt)
+        else:
+            what, extra_flops = self._coalesce_transition(phase, nxt, end_tag), 0.0
+        seconds = time.perf_counter() - t0
+        self.state.counters["transition_seconds"] += seconds
+        row = self._phase_row(nxt)
+        row["transition_seconds"] += seconds
+        if self.ode is not None:
+            self.state.counters["flops"] += extra_flops
+            row["flops"] += extra_flops
+            row["extra_flops"] += extra_flops
+        m = self.levels.models[nxt.level]
+        self.metrics.say(
+            f"level {phase.level} -> {nxt.level}: {what} in {seconds:.2f} s; now {m.num_layers} layers, "
+            f"hidden {m.hidden_size}, {m.num_attention_heads} heads"
+        )
+
+    def _coalesce_transition(self, phase: Phase, nxt: Phase, end_tag: str) -> str:
+        """Coalesce into, or de-coalesce (and interpolate) into, ``nxt``'s level; returns what was done."""
         ml = self.cfg.multilevel
         mapped = ml.optimizer_state == "map"
-        t0 = time.perf_counter()
         old = self.engine
         ds = self.levels.ds_config(nxt.level, nxt.lr.peak)
         if nxt.level > phase.level:
@@ -334,27 +353,7 @@ class Trainer:
         gc.collect()
         self.engine = self._engine(staged.model, nxt)
         load_moments(self.engine, staged)
-        seconds = time.perf_counter() - t0
-        self.state.counters["transition_seconds"] += seconds
-        self._phase_row(nxt)["transition_seconds"] += seconds
-        m = self.levels.models[nxt.level]
-        self.metrics.say(
-            f"level {phase.level} -> {nxt.level}: {what} in {seconds:.2f} s; now {m.num_layers} layers, "
-            f"hidden {m.hidden_size}, {m.num_attention_heads} heads"
-        )
-
-    def _ode_transition(self, phase: Phase, nxt: Phase) -> None:
-        t0 = time.perf_counter()
-        what, extra_flops = self.ode.transition(phase, nxt)
-        seconds = time.perf_counter() - t0
-        self.state.counters["transition_seconds"] += seconds
-        self.state.counters["flops"] += extra_flops
-        row = self._phase_row(nxt)
-        row["transition_seconds"] += seconds
-        row["flops"] += extra_flops
-        row["extra_flops"] += extra_flops
-        m = self.levels.models[nxt.level]
-        self.metrics.say(f"level {phase.level} -> {nxt.level}: {what} in {seconds:.2f} s; now {m.num_layers} layers")
+        return what
 
     # ---------------------------------------------------------------- the run
     def run(self) -> dict:
