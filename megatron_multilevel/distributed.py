@@ -49,7 +49,37 @@ def init_distributed(
         dist.init_process_group(
             backend=default_backend(), init_method=init_method, rank=rank, world_size=world_size
         )
+        init_deepspeed_comm()
     set_tensor_model_parallel_size(tensor_model_parallel_size, seed=seed)
+
+
+def _deepspeed_shm_segment(rank: int) -> str:
+    """The name DeepSpeed's CPU shared-memory all-reduce gives a rank's segment (csrc/cpu/comm/shm.cpp)."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def init_deepspeed_comm() -> None:
+    """``deepspeed.comm`` over the existing process group, without the shared memory it leaks.
+
+    On CPU, when every rank is local (``LOCAL_SIZE`` equals the world size, as DeepSpeed's launcher
+    sets it), DeepSpeed 0.19 maps a 66 MiB ``/dev/shm`` segment per rank for its inference
+    all-reduce and never unlinks it: each run leaves them behind, killed or not, and /dev/shm is
+    RAM, so a day of runs or a test suite fills the machine's memory. Once every rank has mapped
+    its peers' segments (``TorchBackend`` returns only then), each rank unlinks its own name: the
+    mappings stay valid for the process's life and the memory is freed when it exits, however it
+    exits. DeepSpeed offers no switch for this; training never uses that all-reduce.
+    """
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=default_backend())
+    if torch.cuda.is_available():
+        return  # the segments exist only with DeepSpeed's CPU accelerator
+    if dist.get_world_size() > 1:
+        dist.barrier()  # every peer has mapped this rank's segment
+    segment = _deepspeed_shm_segment(dist.get_rank())
+    if os.path.exists(segment):
+        os.unlink(segment)
 
 
 def init_single_process() -> None:

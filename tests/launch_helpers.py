@@ -91,8 +91,17 @@ def launch(*args, env: "dict | None" = None, timeout: float = 600) -> subprocess
     """``launch/pretrain_vcycle.sh ARGS`` with this interpreter; output captured."""
     full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
     full_env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
-    return subprocess.run(["bash", str(LAUNCHER), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=ROOT)
+    before = _shm_segments()
+    result = subprocess.run(["bash", str(LAUNCHER), *map(str, args)], capture_output=True, text=True,
+                            timeout=timeout, env=full_env, cwd=ROOT)
+    # DeepSpeed's CPU all-reduce segments live in RAM; a run that leaves them fills the machine.
+    assert _shm_segments() <= before, f"the run left shared memory behind: {_shm_segments() - before}"
+    return result
+
+
+def _shm_segments() -> set:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("deepspeed_allreduce_buffer_*")} if shm.is_dir() else set()
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
