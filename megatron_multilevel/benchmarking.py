@@ -95,6 +95,14 @@ def compress(config: dict, fraction: float) -> dict:
         training["train_steps"] = scaled(training.get("train_steps", 600))
         schedule(training.get("lr"))
         return out
+    if ml.get("strategy") == "ode":  # the cycles stay; each phase of them shrinks
+        block = ml.setdefault("ode", {})
+        for key in ("pre_steps", "coarse_steps", "post_steps", "final_steps"):
+            if key in block:
+                block[key] = scaled(block[key])
+        for key in ("fine_lr", "coarse_lr", "final_lr"):
+            schedule(block.get(key))
+        return out
     for level in ml["levels"]:
         for key in ("steps_before", "steps_after"):
             if level.get(key):
@@ -173,7 +181,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
                     after_warmup: int = 20, budget: str = "flops", depth_scaling: str = "none",
                     perturbation_std: float = 0.0, shape: str = "width+depth", depth_pairing: str = "adjacent",
                     fcycle_revisit: float = 0.25, optimizer_state: str = "reset",
-                    after_lr_factor: float = 1.0) -> dict[str, dict]:
+                    after_lr_factor: float = 1.0, ode: "dict | None" = None) -> dict[str, dict]:
     """Configs of the compared methods: training from scratch for ``steps`` global batches, and
     each other method within the same budget: the same training FLOPs (``budget="flops"``: the
     cheaper steps of coarse levels buy more steps at the fine level) or the same tokens
@@ -192,7 +200,13 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
       ``fcycle_revisit`` times the first coarse steps at the coarse level again, then the rest
       fine after interpolating with ``alpha``;
     - ``stacking``: progressive stacking, a half-depth model trained from scratch for
-      ``coarse_share`` of the steps, its layers stacked to full depth, the rest at full depth.
+      ``coarse_share`` of the steps, its layers stacked to full depth, the rest at full depth;
+    - ``ode2``: the multilevel ODE strategy (Lauga et al.): ``ode_cycles`` cycles (default 4) of
+      ``ea / 2`` of the steps at the fine level, ``coarse_share / ode_cycles`` at the coarse model
+      of every other layer (at the fine rate: it is as wide) and ``ea / 2`` at the fine level
+      again, at a constant rate, then the rest at the fine level, its rate decaying as scratch's
+      does. ``ode`` overrides keys of its ``multilevel.ode`` block (``cycles`` among them), e.g.
+      ``{"coherence": "none"}``.
 
     ``after_lr_factor`` scales the fine level's peak learning rate after every return to it
     (and ``after_warmup`` is its warm-up); ``optimizer_state`` is ``multilevel.optimizer_state``
@@ -278,4 +292,28 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
                     {"steps": second, "lr": {"peak": coarse_lr, "warmup_steps": 0}}]},
     ]})
     return {"scratch": scratch, "vcycle2": vcycle2, "vcycle3": vcycle3, "wcycle2": wcycle2, "fcycle2": fcycle2,
-            "stacking": stacking}
+            "stacking": stacking, "ode2": _ode_variant(steps, fine_lr, ea=ea, coarse_share=coarse_share,
+                                                        warmup=warmup, budget=budget, r=r_stack[1], ode=ode,
+                                                        config=config)}
+
+
+ODE_DEFAULTS = {"coarse": "alternate", "residual_scale": 2, "prolongation": "correction", "coherence": "first_order",
+                "correction_scale": 1.0, "line_search": False, "optimizer_state": "keep", "cycles": 4}
+
+
+def _ode_variant(steps: int, fine_lr: float, *, ea: float, coarse_share: float, warmup: int, budget: str,
+                 r: float, ode: "dict | None", config) -> dict:
+    """The ``ode2`` method of :func:`variant_configs` (``r``: a coarse step's FLOPs over a fine one's)."""
+    block = {**ODE_DEFAULTS, **(ode or {})}
+    cycles = block["cycles"]
+    smooth = max(1, round(ea * steps / 2))
+    coarse = max(1, round(coarse_share * steps / cycles))
+    spent = cycles * (2 * smooth) + (cycles * coarse if budget == "tokens" else cycles * coarse * r)
+    final = int(steps - spent)
+    if final <= 0:
+        raise ValueError(f"ode2: {cycles} cycles of {smooth} + {coarse} + {smooth} steps leave no fine steps of the "
+                         f"{steps}-step budget; give fewer multilevel.ode.cycles or more steps")
+    constant = {"peak": fine_lr, "warmup_steps": 0, "decay": "constant"}
+    block.update(pre_steps=smooth, coarse_steps=coarse, post_steps=smooth, final_steps=final,
+                 fine_lr=constant, coarse_lr=dict(constant), final_lr={"peak": fine_lr, "warmup_steps": 0})
+    return config({"enabled": True, "strategy": "ode", "ode": block})

@@ -69,7 +69,7 @@ def _phase_steps(cfg):
 
 def test_budget_compression_keeps_the_phases_proportions():
     configs = variant_configs(BASE, steps=400, fine_lr=1e-3, ea=0.1)
-    for name in ("scratch", "vcycle2", "vcycle3", "stacking"):
+    for name in ("scratch", "vcycle2", "vcycle3", "stacking", "ode2"):
         full = _phase_steps(configs[name])
         half = _phase_steps(compress(configs[name], 0.5))
         assert half == [round(s / 2) for s in full], name
@@ -82,6 +82,8 @@ def test_budget_compression_keeps_the_phases_proportions():
     # a phase keeps at least one step; a phase of none stays empty
     tiny = compress(configs["stacking"], 0.001)["multilevel"]["levels"]
     assert tiny[0]["steps_before"] == 0 and tiny[0]["steps_after"] == 1 and tiny[1]["steps_before"] == 1
+    ode = compress(configs["ode2"], 0.5)["multilevel"]["ode"]
+    assert ode["cycles"] == 4 and ode["pre_steps"] == 10 and ode["coarse_steps"] == 25  # of 20 and 50
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="budget fraction"):
             compress(configs["scratch"], bad)
@@ -111,7 +113,7 @@ BASE = {"train_batch_size": 8, "model": {"num_layers": 8, "hidden_size": 64, "nu
 def test_variants_share_the_token_budget():
     configs = variant_configs(BASE, steps=100, fine_lr=1e-3, budget="tokens")
     assert {name: _budget(cfg)[0] for name, cfg in configs.items()} == {
-        "scratch": 100, "vcycle2": 100, "vcycle3": 100, "wcycle2": 100, "fcycle2": 100, "stacking": 100}
+        "scratch": 100, "vcycle2": 100, "vcycle3": 100, "wcycle2": 100, "fcycle2": 100, "stacking": 100, "ode2": 100}
     stack = load_config(configs["stacking"])
     assert stack.multilevel.cycle == "grow" and stack.level_models()[1].num_layers == 4
     assert stack.level_models()[1].hidden_size == 64
@@ -215,3 +217,23 @@ def test_normalised_wall_clock_by_hand():
     assert tool.normalized_at_flops(phases, times, 140.0) == pytest.approx(10 + 5.0)  # half the coarse phase
     assert tool.normalized_at_flops(phases, times, 230.0) == pytest.approx(20 + 5.0)
     assert tool.family("fcycle2-depth-ea0.1") == "fcycle" and tool.family("scratch") == "scratch"
+
+
+def test_ode_variant_schedule():
+    """ode2: four cycles of (ea/2 fine, coarse_share/4 coarse, ea/2 fine) at a constant rate, then the
+    fine level with what the budget leaves, decaying; the coarse model keeps every other layer."""
+    cfg = variant_configs(BASE, steps=400, fine_lr=1e-3, ea=0.1, coarse_share=0.5,
+                          ode={"coherence": "none", "cycles": 2})
+    parsed = load_config(cfg["ode2"])
+    ode = parsed.multilevel.ode
+    assert parsed.multilevel.strategy == "ode" and ode.coherence == "none" and ode.cycles == 2
+    assert (ode.pre_steps, ode.coarse_steps, ode.post_steps) == (20, 100, 20)
+    assert ode.fine_lr.decay == "constant" and ode.final_lr.decay == "cosine" and ode.coarse_lr.peak == 1e-3
+    # a coarse step of 4 of the 8 layers: its FLOPs over a fine step's, from the model's own arithmetic
+    fine, coarse = parsed.level_models()
+    assert coarse.num_layers == 4 and coarse.hidden_size == fine.hidden_size
+    assert _phase_steps(cfg["ode2"]) == [20, 100, 20, 20, 100, 20, ode.final_steps]
+    flops, scratch = _budget(cfg["ode2"])[1], _budget(cfg["scratch"])[1]
+    assert scratch - scratch / 400 <= flops <= scratch  # the same compute, to within one fine step
+    with pytest.raises(ValueError, match="multilevel.ode.coherence"):
+        load_config(variant_configs(BASE, steps=400, fine_lr=1e-3, ode={"coherence": "second"})["ode2"])

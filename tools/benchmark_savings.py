@@ -94,7 +94,7 @@ def variants(args, base: dict) -> dict[str, dict]:
     given = dict(fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
                  depth_scaling=args.depth_scaling, shape=args.shape, depth_pairing=args.depth_pairing,
                  fcycle_revisit=args.fcycle_revisit, optimizer_state=args.optimizer_state,
-                 after_lr_factor=args.after_lr_factor, **common)
+                 after_lr_factor=args.after_lr_factor, ode=ode_overrides(args.ode), **common)
 
     def methods(**change) -> dict[str, dict]:
         """The compared methods with the settings given, but for ``change``."""
@@ -121,6 +121,20 @@ def variants(args, base: dict) -> dict[str, dict]:
                 out[f"{name}-{shape}"] = methods(shape=shape)[name]
     # a tag names the settings, so that variants of one method can share a results directory
     return {name if name.startswith("scratch") else name + args.tag: cfg for name, cfg in out.items()}
+
+
+def ode_overrides(pairs: list[str]) -> dict:
+    """``--ode KEY=VALUE ...`` as a dict of JSON values (a bare word is a string)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--ode takes KEY=VALUE pairs, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def launch(config: dict, path: str, procs: int) -> float:
@@ -364,6 +378,8 @@ def main(argv=None) -> int:
                    help="also every chosen cycle coalescing these")
     p.add_argument("--compare-depth-scaling", "--compare_depth_scaling", action="store_true",
                    help="also the first chosen cycle with the other depth scaling")
+    p.add_argument("--ode", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="ode2: keys of its multilevel.ode block, e.g. coherence=none cycles=8 optimizer_state=map")
     p.add_argument("--perturbation", type=float, default=0.0, help="multilevel.perturbation_std of the cycles")
     p.add_argument("--paper-variant", "--paper_variant", action="store_true",
                    help="also the 2-level V-cycle with the paper's E_a (5%%) and depth operators")
@@ -423,7 +439,7 @@ def main(argv=None) -> int:
     return 0
 
 
-METHODS = ["vcycle2", "vcycle3", "wcycle2", "fcycle2", "stacking"]
+METHODS = ["vcycle2", "vcycle3", "wcycle2", "fcycle2", "stacking", "ode2"]
 
 
 def _reusable(path: str, version: str, config: dict) -> bool:
