@@ -15,25 +15,39 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python_bin="${PYTHON:-python}"
 
-# The compared methods, the same at every point: training from scratch, the recipe's cycles and
-# progressive stacking, each at three budget fractions, over two seeds (three at the headline).
-# Fixed when the study is pinned (the exploration in docs/benchmarks.md chooses the cycles' settings).
-RECIPE=(--methods vcycle2 fcycle2 stacking --fractions 0.6 0.8 1.0 --depth-scaling ode --ea 0.1)
+# The compared methods, the same at every point: training from scratch (in every line, run once),
+# each method with the settings the exploration of docs/benchmarks.md chose for it, at three budget
+# fractions (the equal-quality measure), over two seeds (three at the headline point).
+FRACTIONS=(--fractions 0.6 0.8 1.0)
+RECIPES=(
+  # the multilevel ODE strategy (Lauga et al.): 4 cycles of even/odd coarse models, half the steps coarse
+  "--methods ode2 --ea 0.1"
+  # progressive stacking: half depth from scratch for half the steps, stacked, re-warmed up
+  "--methods stacking --depth-scaling ode"
+  # the F-cycle: stacking's start, then a second coarse visit (depth only, halves) and an
+  # interpolation, AdamW moments carried through it, no re-warm-up after the return
+  "--methods fcycle2 --shape depth --depth-pairing halves --depth-scaling ode --ea 0.1 --optimizer-state map --after-warmup 0"
+)
 
 declare -A POINTS=(
   # the headline point: the pilot's model (8 layers x 256) on 0.5M tokens
-  [cpu-8x256-480]="--size cpu --steps 480 --repeats 3"
-  [cpu-8x256-240]="--size cpu --steps 240 --repeats 2"
-  [cpu-8x256-960]="--size cpu --steps 960 --repeats 2"
+  [cpu-8x256-480]="--size cpu --steps 480"
+  [cpu-8x256-240]="--size cpu --steps 240"
+  [cpu-8x256-960]="--size cpu --steps 960"
   # the long budgets on the smaller model (4 layers x 128): 16x from first to last
-  [cpu-4x128-240]="--size cpu-small --steps 240 --repeats 2"
-  [cpu-4x128-960]="--size cpu-small --steps 960 --repeats 2"
-  [cpu-4x128-3840]="--size cpu-small --steps 3840 --repeats 2"
+  [cpu-4x128-240]="--size cpu-small --steps 240"
+  [cpu-4x128-960]="--size cpu-small --steps 960"
+  [cpu-4x128-3840]="--size cpu-small --steps 3840"
 )
+declare -A SEEDS=([cpu-8x256-480]=3)  # two elsewhere
 ORDER=(cpu-8x256-480 cpu-4x128-240 cpu-4x128-960 cpu-8x256-240 cpu-8x256-960 cpu-4x128-3840)
 
 if [[ "${1:-}" == "--list" ]]; then
-  for point in "${ORDER[@]}"; do echo "$point: ${POINTS[$point]} ${RECIPE[*]}"; done
+  for point in "${ORDER[@]}"; do
+    for recipe in "${RECIPES[@]}"; do
+      echo "$point: ${POINTS[$point]} $recipe ${FRACTIONS[*]} (seeds 1234 to $((1233 + ${SEEDS[$point]:-2})))"
+    done
+  done
   exit 0
 fi
 points=("$@")
@@ -56,7 +70,12 @@ fi
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extensions}"
 for point in "${points[@]}"; do
   echo "== $point (code of $commit)"
-  # shellcheck disable=SC2086
-  (cd "$work" && "$python_bin" tools/benchmark_savings.py ${POINTS[$point]} "${RECIPE[@]}" \
-      --results "$root/benchmarks/$point" --out "$root/runs/study/$point")
+  # seed by seed, every method at every fraction: a study stopped early has whole seeds
+  for ((s = 0; s < ${SEEDS[$point]:-2}; s++)); do
+    for recipe in "${RECIPES[@]}"; do  # each line adds its method; the last report shows them all
+      # shellcheck disable=SC2086
+      (cd "$work" && "$python_bin" tools/benchmark_savings.py ${POINTS[$point]} $recipe "${FRACTIONS[@]}" \
+          --seed $((1234 + s)) --results "$root/benchmarks/$point" --out "$root/runs/study/$point")
+    done
+  done
 done
