@@ -181,7 +181,8 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
                     after_warmup: int = 20, budget: str = "flops", depth_scaling: str = "none",
                     perturbation_std: float = 0.0, shape: str = "width+depth", depth_pairing: str = "adjacent",
                     fcycle_revisit: float = 0.25, optimizer_state: str = "reset",
-                    after_lr_factor: float = 1.0, ode: "dict | None" = None) -> dict[str, dict]:
+                    after_lr_factor: float = 1.0, ode: "dict | None" = None,
+                    methods: "Sequence[str] | None" = None) -> dict[str, dict]:
     """Configs of the compared methods: training from scratch for ``steps`` global batches, and
     each other method within the same budget: the same training FLOPs (``budget="flops"``: the
     cheaper steps of coarse levels buy more steps at the fine level) or the same tokens
@@ -210,7 +211,10 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
 
     ``after_lr_factor`` scales the fine level's peak learning rate after every return to it
     (and ``after_warmup`` is its warm-up); ``optimizer_state`` is ``multilevel.optimizer_state``
-    of the cycles (stacking's growth has no fine moments to map and always restarts AdamW).
+    of the cycles and of stacking (``map``: growing carries the coarse moments, de-coalesced).
+
+    ``methods`` limits the result to those (and ``scratch``); a method whose schedule does not fit
+    the budget is an error only when asked for.
 
     ``shape`` is what the V-cycles coalesce: ``"width+depth"`` (the paper's), ``"width"`` or
     ``"depth"``. The steps before coalescing count against the budget like any fine step; so do
@@ -268,7 +272,8 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     stack_after = steps - coarse if budget == "tokens" else int(steps - coarse * r_stack[1])
     stacking = config({
         "enabled": True, "cycle": "grow", "num_levels": 2, "alpha": 1.0, "coalesce_width": False,
-        "coalesce_depth": True, "depth_pairing": "halves", "depth_scaling": depth_scaling, "levels": [
+        "coalesce_depth": True, "depth_pairing": "halves", "depth_scaling": depth_scaling,
+        "optimizer_state": optimizer_state, "levels": [
             _level(0, fine_lr, steps_after=stack_after, after_peak=after_lr, after_warmup=after_warmup),
             _level(coarse, fine_lr, warmup=warmup),
         ]})
@@ -291,18 +296,20 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
         {"visits": [{"steps": first, "lr": {"peak": coarse_lr, "warmup_steps": warmup}},
                     {"steps": second, "lr": {"peak": coarse_lr, "warmup_steps": 0}}]},
     ]})
-    return {"scratch": scratch, "vcycle2": vcycle2, "vcycle3": vcycle3, "wcycle2": wcycle2, "fcycle2": fcycle2,
-            "stacking": stacking, "ode2": _ode_variant(steps, fine_lr, ea=ea, coarse_share=coarse_share,
-                                                        warmup=warmup, budget=budget, r=r_stack[1], ode=ode,
-                                                        config=config)}
+    out = {"scratch": scratch, "vcycle2": vcycle2, "vcycle3": vcycle3, "wcycle2": wcycle2, "fcycle2": fcycle2,
+           "stacking": stacking}
+    if methods is None or "ode2" in methods:
+        out["ode2"] = _ode_variant(steps, fine_lr, ea=ea, coarse_share=coarse_share, budget=budget, r=r_stack[1],
+                                   ode=ode, config=config)
+    return out if methods is None else {name: cfg for name, cfg in out.items() if name == "scratch" or name in methods}
 
 
 ODE_DEFAULTS = {"coarse": "alternate", "residual_scale": 2, "prolongation": "correction", "coherence": "first_order",
                 "correction_scale": 1.0, "line_search": False, "optimizer_state": "keep", "cycles": 4}
 
 
-def _ode_variant(steps: int, fine_lr: float, *, ea: float, coarse_share: float, warmup: int, budget: str,
-                 r: float, ode: "dict | None", config) -> dict:
+def _ode_variant(steps: int, fine_lr: float, *, ea: float, coarse_share: float, budget: str, r: float,
+                 ode: "dict | None", config) -> dict:
     """The ``ode2`` method of :func:`variant_configs` (``r``: a coarse step's FLOPs over a fine one's)."""
     block = {**ODE_DEFAULTS, **(ode or {})}
     cycles = block["cycles"]

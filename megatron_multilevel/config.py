@@ -337,14 +337,17 @@ class MultilevelConfig:
     coarsest level from a fresh initialisation, then each finer level in turn is grown into and a
     V-cycle runs from it (1 0 1 0; 3 levels: 2 1 2 1 0 1 2 1 0). The first arrival at a level has
     no model before coalescing to interpolate with, so it de-coalesces with alpha 1 (plus
-    ``perturbation_std`` noise) whatever ``alpha`` says, and AdamW starts afresh; every later
-    return interpolates. ``grow``: only the way up, from a freshly initialised coarsest model
+    ``perturbation_std`` noise) whatever ``alpha`` says, and AdamW starts afresh (with
+    ``optimizer_state = "map"``: from the coarse moments, de-coalesced); every later return
+    interpolates. ``grow``: only the way up, from a freshly initialised coarsest model
     (growth methods such as progressive stacking: depth only, ``depth_pairing = "halves"``,
     alpha 1)."""
     levels: list[LevelConfig] = field(default_factory=list)
     """Schedule per level, finest first; exactly ``num_levels`` entries when enabled."""
     optimizer_state: Literal["reset", "map"] = "reset"
-    """At a transition, start AdamW afresh (the paper) or map its moments through the operators."""
+    """At a transition, start AdamW afresh (the paper) or map its moments through the operators
+    (coalesced on the way down; de-coalesced and interpolated like the weights on the way up, or
+    only de-coalesced when a level is grown)."""
     perturbation_std: float = 0.0
     """Standard deviation of Gaussian noise added to every weight after de-coalescing and
     interpolation, relative to that weight's own standard deviation (breaks the symmetry of

@@ -235,5 +235,9 @@ def test_ode_variant_schedule():
     assert _phase_steps(cfg["ode2"]) == [20, 100, 20, 20, 100, 20, ode.final_steps]
     flops, scratch = _budget(cfg["ode2"])[1], _budget(cfg["scratch"])[1]
     assert scratch - scratch / 400 <= flops <= scratch  # the same compute, to within one fine step
+    # a budget too small for the cycles is an error only for the method that needs them
+    assert set(variant_configs(BASE, steps=12, fine_lr=1e-3, methods=["vcycle2"])) == {"scratch", "vcycle2"}
+    with pytest.raises(ValueError, match="4 cycles of 1 \\+ 2 \\+ 1 steps leave no fine steps of the 12-step budget"):
+        variant_configs(BASE, steps=12, fine_lr=1e-3, methods=["ode2"])
     with pytest.raises(ValueError, match="multilevel.ode.coherence"):
         load_config(variant_configs(BASE, steps=400, fine_lr=1e-3, ode={"coherence": "second"})["ode2"])

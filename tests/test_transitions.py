@@ -272,3 +272,45 @@ def test_four_ranks(reference, tmp_path):
     cases = _cases("gpt", FOUR_RANKS) + _cases("llama", [(2, 1, 2, 1)])
     results = run_ranks(_worker, 4, tmp_path, cases)
     _check(results, cases, reference)
+
+
+def _grow_worker(rank, world, layouts):
+    """Progressive growth with the coarse AdamW moments carried: the grown model's moments are the
+    coarse ones de-coalesced (halves pairing: stacked), its step count the coarse optimizer's."""
+    from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
+    from megatron_multilevel.models import build_model
+    from megatron_multilevel.operators import decoalesce
+    from megatron_multilevel.level_maps import make_level_map
+    from megatron_multilevel.parallel.streams import _inner_torch_optimizer
+    from megatron_multilevel.parallel.transition import Layout, load_moments, prolong
+
+    out = []
+    for coarse_tp, coarse_stage, fine_tp, fine_stage in layouts:
+        cfg = _model_config("gpt")
+        lm = make_level_map(cfg, width=False, depth_pairing="halves")
+        set_tensor_model_parallel_size(coarse_tp)
+        set_seed(5)
+        coarse = _engine(build_model(lm.coarse), coarse_stage)
+        losses = [_train_step(coarse, lm.coarse, seed=1), _train_step(coarse, lm.coarse, seed=2)]
+        moments = {k: _reference_gather(coarse, lm.coarse, k) for k in ("exp_avg", "exp_avg_sq")}
+        staged = prolong(coarse.module, None, lm, 1.0, coarse_layout=Layout(coarse_tp, coarse_stage),
+                         fine_layout=Layout(fine_tp, fine_stage), ds_config=_ds_config(fine_stage, 1),
+                         optimizer=coarse.optimizer, map_moments=True)
+        del coarse
+        fine = _engine(staged.model, fine_stage)
+        load_moments(fine, staged)
+        diffs = {k: _max_diff(_reference_gather(fine, cfg, k), decoalesce(m, lm)) for k, m in moments.items()}
+        steps = {float(s["step"]) for s in _inner_torch_optimizer(fine.optimizer).state.values()}
+        losses.append(_train_step(fine, cfg, seed=3))
+        out.append({"diffs": diffs, "steps": steps, "losses": losses})
+    return out
+
+
+def test_growing_carries_the_coarse_moments(tmp_path):
+    # (coarse TP, coarse ZeRO stage, fine TP, fine ZeRO stage)
+    (one,) = run_ranks(_grow_worker, 1, tmp_path / "one", [(1, 0, 1, 0)])
+    two = run_ranks(_grow_worker, 2, tmp_path / "two", [(1, 3, 1, 3), (2, 0, 1, 1)])
+    for result in one + two[0] + two[1]:
+        assert all(d < 1e-6 for d in result["diffs"].values()), result["diffs"]
+        assert result["steps"] == {2.0}  # Adam's bias correction continues from the coarse steps
+        assert result["losses"] == pytest.approx(one[0]["losses"], abs=2e-5)

@@ -90,11 +90,12 @@ def variants(args, base: dict) -> dict[str, dict]:
     out = {}
     for lr in args.scratch_lr or [size["fine_lr"]]:
         name = "scratch" if not args.scratch_lr or len(args.scratch_lr) == 1 else f"scratch-lr{lr:g}"
-        out[name] = variant_configs(base, fine_lr=lr, **common)["scratch"]
+        out[name] = variant_configs(base, fine_lr=lr, methods=[], **common)["scratch"]
     given = dict(fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
                  depth_scaling=args.depth_scaling, shape=args.shape, depth_pairing=args.depth_pairing,
                  fcycle_revisit=args.fcycle_revisit, optimizer_state=args.optimizer_state,
-                 after_lr_factor=args.after_lr_factor, ode=ode_overrides(args.ode), **common)
+                 after_lr_factor=args.after_lr_factor, ode=ode_overrides(args.ode),
+                 methods=[m for m in METHODS if m != "ode2" or m in args.methods], **common)
 
     def methods(**change) -> dict[str, dict]:
         """The compared methods with the settings given, but for ``change``."""
@@ -406,7 +407,10 @@ def main(argv=None) -> int:
     from megatron_multilevel.config import load_config
 
     base = base_config(args)
-    configs = variants(args, base)
+    try:
+        configs = variants(args, base)
+    except ValueError as e:  # a schedule that does not fit the budget, a bad --ode pair
+        p.error(str(e))
     for name, cfg in configs.items():
         for fraction in args.fractions:
             load_config(compress(cfg, fraction))  # every config is checked before anything runs

@@ -224,7 +224,8 @@ def prolong(
     """Build the fine level again: de-coalesce the coarse model and interpolate with ``before``.
 
     The result is ``(1 - alpha) * before + alpha * decoalesce(coarse)`` in ``fine_layout`` (with
-    ``before`` None, growing a model, ``alpha`` must be 1), plus,
+    ``before`` None, growing a model, ``alpha`` must be 1, and mapped moments are the coarse
+    optimizer's de-coalesced), plus,
     with ``perturbation_std``, Gaussian noise of that size relative to each weight's own standard
     deviation (seeded by ``seed`` and the parameter's name: the same on every rank).
     """
@@ -232,7 +233,7 @@ def prolong(
     _check_layouts(level_map, fine_layout, coarse_layout)
     if before is None and alpha != 1.0:
         raise ValueError(f"prolong: alpha {alpha} interpolates with the model before coalescing, and there is none")
-    if map_moments and (before is None or not before.moments):
+    if map_moments and before is not None and not before.moments:
         raise ValueError("prolong: map_moments needs the fine moments, kept only if coarsen mapped them")
     fast = uses_fast_path(level_map, fine_layout, coarse_layout)
     coarse_groups = Groups.current()
@@ -250,7 +251,8 @@ def prolong(
     staged = Staged(fine_model, level_map.fine, fast, step=step)
     for key, moment_reader in moment_readers.items():
         staged.moments[key] = Snapshot(_snapshot_group(fast))
-        _prolong_stream(moment_reader, before.moments[key], staged.moments[key], op_map, alpha)
+        _prolong_stream(moment_reader, None if before is None else before.moments[key], staged.moments[key], op_map,
+                        alpha)
     return staged
 
 

@@ -337,12 +337,12 @@ class Trainer:
         else:
             before = self.snapshots.pop(nxt.level, None)
             assert (before is None) == (nxt.arrival == "grow"), (nxt, sorted(self.snapshots))
-            # growing: no model of this level to interpolate with, nor fine moments to map
+            # growing: no model of this level to interpolate with (mapped moments: the coarse ones, grown)
             alpha = 1.0 if before is None else ml.alpha_of(nxt.level)
             staged = prolong(
                 old.module, before, self.level_maps[nxt.level], alpha,
                 coarse_layout=self.levels.layout(phase.level), fine_layout=self.levels.layout(nxt.level),
-                ds_config=ds, optimizer=old.optimizer, map_moments=mapped and before is not None,
+                ds_config=ds, optimizer=old.optimizer, map_moments=mapped,
                 perturbation_std=ml.perturbation_std, seed=self.cfg.training.seed + nxt.index,
             )
             self.state.open_levels.pop(nxt.level, None)
