@@ -45,6 +45,12 @@ SIZES = {
     "cpu-small": dict(model={"kind": "gpt", "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
                              "vocab_size": 4096, "max_sequence_length": 64},
                       seq=64, batch=16, steps=960, fine_lr=2e-3),
+    # The ODE paper's model (Lauga et al.: GPT decoder, 12 blocks, width 256, 8 heads) and optimizer
+    # (SGD; with its momentum, as configs/gpt_ode_paper.json), at the CPU data budget.
+    "ode-paper": dict(model={"kind": "gpt", "num_layers": 12, "hidden_size": 256, "num_attention_heads": 8,
+                             "vocab_size": 4096, "max_sequence_length": 64},
+                      seq=64, batch=16, steps=480, fine_lr=0.1,
+                      optimizer={"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}}),
     "tiny": dict(model={"kind": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
                         "vocab_size": 512, "max_sequence_length": 32},
                  seq=32, batch=8, steps=12, fine_lr=2e-3),
@@ -63,8 +69,9 @@ def base_config(args) -> dict:
         base = {
             "train_batch_size": size["batch"],
             "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": size["fine_lr"], "betas": [0.9, 0.95],
-                                                      "weight_decay": 0.01, "torch_adam": True}},
+            "optimizer": size.get("optimizer") or {
+                "type": "AdamW", "params": {"lr": size["fine_lr"], "betas": [0.9, 0.95], "weight_decay": 0.01,
+                                            "torch_adam": True}},
             "zero_optimization": {"stage": 0},
             "model": size["model"],
             "data": {"seq_length": size["seq"], "cache_dir": os.path.join(ROOT, ".cache", "megatron_multilevel")},
@@ -475,6 +482,9 @@ def report(args, base: dict, names: list[str], version: str, results_dir: str, s
     others = sorted({run["version"] for run in kept} - {version})
     if others:
         print(f"note: results of other code versions {others} in {results_dir} are left out", flush=True)
+    if not results:
+        print(f"no kept results of this code version ({version}) in {results_dir}: nothing to report", flush=True)
+        return {}
     times_path = os.path.join(args.results or args.out, "step_time.json")
     times = None
     if os.path.exists(times_path):
