@@ -6,8 +6,10 @@ other top-level key against DeepSpeed's own keys, because DeepSpeed would silent
 typo such as ``"zero_optimisation"``.
 """
 
+import copy
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
@@ -273,8 +275,21 @@ class OdeConfig:
     """Schedule of every coarse phase."""
     final_lr: Optional[LRConfig] = None
     """Schedule of the final fine phase; null means ``fine_lr``."""
+    coarse_tensor_model_parallel_size: Optional[int] = None
+    """Tensor-parallel size of the coarse models (data parallelism takes the other ranks); null means
+    ``parallel.tensor_model_parallel_size``."""
+    coarse_deepspeed: dict = field(default_factory=dict)
+    """DeepSpeed keys overridden for the coarse models (deep-merged), e.g. ``{"zero_optimization": {"stage": 3}}``."""
 
     def __post_init__(self):
+        if self.coarse_tensor_model_parallel_size is not None:
+            _check_positive("multilevel.ode.coarse_tensor_model_parallel_size", self.coarse_tensor_model_parallel_size)
+        unknown = sorted(set(self.coarse_deepspeed) - DEEPSPEED_KEYS)
+        if unknown:
+            raise ValueError(
+                f"multilevel.ode.coarse_deepspeed: unknown DeepSpeed key(s) {unknown}; "
+                f"valid keys are {sorted(DEEPSPEED_KEYS)}"
+            )
         if self.residual_scale not in RESIDUAL_SCALES:
             raise ValueError(
                 f"multilevel.ode.residual_scale: invalid value {self.residual_scale!r}; "
@@ -445,14 +460,21 @@ class MultilevelConfig:
 
 @dataclass
 class DataConfig:
-    """Training data: a Megatron indexed dataset, or the embedded default corpus."""
+    """Training data: a Megatron indexed dataset, a weighted blend of them, or the embedded default corpus."""
 
     prefix: Optional[str] = None
     """Path prefix of a Megatron indexed dataset (``.bin``/``.idx``) made by
-    ``tools/preprocess_data.py``; null means the embedded corpus (the Python standard library's
-    own source files, prepared once and cached)."""
+    ``tools/preprocess_data.py``; null (and no ``blend``) means the embedded corpus (the Python
+    standard library's own source files, prepared once and cached)."""
+    blend: Optional[list[Any]] = None
+    """A weighted mixture of indexed datasets, written as Megatron's ``--data-path``: weight,
+    prefix, weight, prefix, ... (``[0.3, "data/a", 0.7, "data/b"]``; weights are normalised).
+    Each dataset is split by ``split`` on its own and sampled in proportion to its weight, through
+    Megatron-Core's blended dataset builder. All tokenized with ``tokenizer_model``; not with ``prefix``."""
     tokenizer_model: Optional[str] = None
-    """SentencePiece model of ``prefix``; required with ``prefix``."""
+    """The tokenizer of ``prefix`` or ``blend`` (required with either): a SentencePiece model file,
+    or a Hugging Face tokenizer directory (``tokenizer.json``, e.g. the one of a model imported with
+    ``convert_checkpoint.py from-hf``)."""
     cache_dir: str = ".cache/megatron_multilevel"
     """Where the embedded corpus and Megatron's dataset indices are cached."""
     seq_length: int = 128
@@ -474,13 +496,41 @@ class DataConfig:
 
     def __post_init__(self):
         _check_positive("data.seq_length", self.seq_length)
-        if (self.prefix is None) != (self.tokenizer_model is None):
+        if self.prefix is not None and self.blend is not None:
+            raise ValueError("data.prefix and data.blend are exclusive: prefix is one dataset, blend a mixture")
+        if self.blend is not None:
+            self._check_blend()
+            if self.tokenizer_model is None:
+                raise ValueError("data.blend needs data.tokenizer_model, the tokenizer of every blended dataset")
+        elif (self.prefix is None) != (self.tokenizer_model is None):
             raise ValueError("data.prefix and data.tokenizer_model go together (both set, or both null)")
         parts = self.split.split(",")
         if len(parts) != 3 or not all(p.strip().replace(".", "", 1).isdigit() for p in parts):
             raise ValueError(f"data.split must be three comma-separated numbers, got {self.split!r}")
         if float(parts[1]) <= 0:
             raise ValueError("data.split needs a validation share (the second number) above 0")
+
+    def _check_blend(self) -> None:
+        form = "weight, prefix, weight, prefix, ... as Megatron's --data-path, e.g. [0.3, \"data/a\", 0.7, \"data/b\"]"
+        items = self.blend
+        if len(items) < 2 or len(items) % 2:
+            raise ValueError(f"data.blend = {items!r}: expected {form}")
+        for i in range(0, len(items), 2):
+            weight, prefix = items[i], items[i + 1]
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+                raise ValueError(f"data.blend[{i}] = {weight!r}: a weight must be a number above 0; expected {form}")
+            if not isinstance(prefix, str) or not prefix:
+                raise ValueError(f"data.blend[{i + 1}] = {prefix!r}: a dataset prefix must be a path; expected {form}")
+        prefixes = items[1::2]
+        repeated = sorted({p for p in prefixes if prefixes.count(p) > 1})
+        if repeated:
+            raise ValueError(f"data.blend lists {repeated} more than once; give each dataset one weight")
+
+    def blend_pairs(self) -> Optional[list[tuple[float, str]]]:
+        """``[(weight, prefix), ...]`` of ``blend`` (weights as given), or None."""
+        if self.blend is None:
+            return None
+        return [(float(w), p) for w, p in zip(self.blend[0::2], self.blend[1::2])]
 
 
 @dataclass
@@ -566,33 +616,65 @@ class RunConfig:
                 raise ValueError(f"level {level}: {e}") from None
 
     def _check_ode(self) -> None:
+        ode = self.multilevel.ode
         layers = self.model.num_layers
         if layers % 2 or layers < 2:
             raise ValueError(
                 f"model.num_layers = {layers}: the ODE strategy's coarse models keep every other layer "
                 f"and need an even number of layers"
             )
-        optimizer = self.deepspeed.get("optimizer", {"type": "AdamW"})
+        if ode.coarse_tensor_model_parallel_size is not None:
+            coarse, key = self.level_models()[1], "multilevel.ode.coarse_tensor_model_parallel_size"
+            try:
+                check_model_parallel(coarse, ode.coarse_tensor_model_parallel_size, key=key)
+            except ValueError as e:
+                raise ValueError(f"{e} (the coarse models keep the fine width); valid values are "
+                                 f"{valid_tp_sizes(coarse)}") from None
+        coarse_where = "multilevel.ode.coarse_deepspeed (merged into the top-level DeepSpeed keys): "
+        for level, where in ((0, ""), (1, coarse_where)):
+            try:
+                self._check_ode_deepspeed(self.level_deepspeed(level), coarse=level == 1)
+            except ValueError as e:
+                raise ValueError(f"{where}{e}") from None
+        if ode.optimizer_state == "map":
+            fine, coarse = (optimizer_state_keys(self.level_deepspeed(level)) for level in (0, 1))
+            if fine != coarse:
+                raise ValueError(
+                    f"multilevel.ode.optimizer_state = 'map' carries the fine optimizer's state {list(fine)} into the "
+                    f"coarse optimizer and back, and multilevel.ode.coarse_deepspeed gives the coarse models an "
+                    f"optimizer with state {list(coarse)}; use the same optimizer at both levels, or "
+                    f"optimizer_state 'keep' or 'reset'"
+                )
+
+    def _check_ode_deepspeed(self, ds: dict, *, coarse: bool) -> None:
+        """The ODE strategy's checks of one level's DeepSpeed config (the file's keys, plus the coarse
+        overrides for ``coarse``)."""
+        state = self.multilevel.ode.optimizer_state
+        optimizer = ds.get("optimizer", {"type": "AdamW"})
         kind = optimizer.get("type", "")
         if kind.lower() not in ("adam", "adamw") and kind != "SGD":
             raise ValueError(
                 f"optimizer.type = {kind!r}: the ODE strategy carries the state of "
                 f"{list(OPTIMIZER_STATE_KEYS)}; valid choices are ['Adam', 'AdamW', 'SGD']"
             )
-        stage = self.deepspeed.get("zero_optimization", {}).get("stage", 0)
-        if kind == "SGD" and stage and not self.deepspeed.get("zero_allow_untested_optimizer"):
+        stage = ds.get("zero_optimization", {}).get("stage", 0)
+        if stage not in ZERO_STAGES:
+            raise ValueError(f"zero_optimization.stage = {stage!r}; valid choices are {list(ZERO_STAGES)}")
+        if kind == "SGD" and stage and not ds.get("zero_allow_untested_optimizer"):
             raise ValueError(
                 f"optimizer.type = 'SGD' with zero_optimization.stage = {stage}: DeepSpeed needs "
                 f"\"zero_allow_untested_optimizer\": true for SGD under ZeRO"
             )
-        low_precision = any(self.deepspeed.get(k, {}).get("enabled") for k in ("bf16", "fp16"))
-        if low_precision and not stage and self.multilevel.ode.optimizer_state != "reset":
+        low_precision = any(ds.get(k, {}).get("enabled") for k in ("bf16", "fp16"))
+        # the coarse optimizer's state is read and written only when it is mapped
+        carried = state == "map" or (state == "keep" and not coarse)
+        if low_precision and not stage and carried:
             raise ValueError(
-                f"multilevel.ode.optimizer_state = {self.multilevel.ode.optimizer_state!r} with bf16/fp16 needs "
+                f"multilevel.ode.optimizer_state = {state!r} with bf16/fp16 needs "
                 f"zero_optimization.stage >= 1: without ZeRO, DeepSpeed's low-precision wrapper keeps the "
                 f"optimizer state where the transitions cannot carry it"
             )
-        if self.multilevel.ode.coherence == "first_order" and self.deepspeed.get("fp16", {}).get("enabled"):
+        if self.multilevel.ode.coherence == "first_order" and ds.get("fp16", {}).get("enabled"):
             raise ValueError("multilevel.ode.coherence = 'first_order' is not supported with fp16 (loss scaling); "
                              "use bf16 or fp32")
 
@@ -612,8 +694,38 @@ class RunConfig:
         if not self.multilevel.enabled:
             return [default]
         if self.multilevel.strategy == "ode":
-            return [default, default]
+            return [default, self.multilevel.ode.coarse_tensor_model_parallel_size or default]
         return [lv.tensor_model_parallel_size or default for lv in self.multilevel.levels]
+
+    def level_deepspeed(self, level: int) -> dict:
+        """The DeepSpeed keys of ``level``: the file's, with the level's overrides deep-merged."""
+        ml = self.multilevel
+        overrides = {}
+        if ml.enabled and ml.strategy == "coalesce":
+            overrides = ml.levels[level].deepspeed
+        elif ml.enabled and level == 1:
+            overrides = ml.ode.coarse_deepspeed
+        return deep_merge(self.deepspeed, overrides)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ``ValueError``, naming the key, if a level's tensor-parallel size does not divide
+        ``world_size``."""
+        for level, (model, tp) in enumerate(zip(self.level_models(), self.level_tp_sizes())):
+            if world_size % tp:
+                valid = [d for d in valid_tp_sizes(model) if world_size % d == 0]
+                raise ValueError(
+                    f"level {level}: {self._tp_key(level)} = {tp} does not divide the world size {world_size}; "
+                    f"valid values are {valid}"
+                )
+
+    def _tp_key(self, level: int) -> str:
+        """The key that sets ``level``'s tensor-parallel size."""
+        ml = self.multilevel
+        if ml.enabled and ml.strategy == "ode" and level == 1 and ml.ode.coarse_tensor_model_parallel_size:
+            return "multilevel.ode.coarse_tensor_model_parallel_size"
+        if ml.enabled and ml.strategy == "coalesce" and ml.levels[level].tensor_model_parallel_size:
+            return f"multilevel.levels[{level}].tensor_model_parallel_size"
+        return "parallel.tensor_model_parallel_size"
 
 
 # The optimizer state the ODE strategy keeps or maps, by DeepSpeed optimizer type (lower case).
@@ -624,14 +736,44 @@ OPTIMIZER_STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", 
 OUR_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "deepspeed")
 
 
-def check_model_parallel(model: ModelConfig, tp: int) -> None:
-    """Raise if ``model`` cannot be split over ``tp`` tensor-parallel ranks."""
-    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
+# The sizes tensor parallelism splits (each must be divisible by the TP size).
+TP_SPLIT_SIZES = ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def check_model_parallel(model: ModelConfig, tp: int, *, key: str = "parallel.tensor_model_parallel_size") -> None:
+    """Raise if ``model`` cannot be split over ``tp`` tensor-parallel ranks; ``key`` names the setting."""
+    for name in TP_SPLIT_SIZES:
         value = getattr(model, name)
         if value % tp:
-            raise ValueError(
-                f"parallel.tensor_model_parallel_size = {tp} does not divide model.{name} = {value}"
-            )
+            raise ValueError(f"{key} = {tp} does not divide model.{name} = {value}")
+
+
+def valid_tp_sizes(model: ModelConfig) -> list[int]:
+    """Every tensor-parallel size ``model`` can be split over."""
+    gcd = math.gcd(*(getattr(model, name) for name in TP_SPLIT_SIZES))
+    return [d for d in range(1, gcd + 1) if gcd % d == 0]
+
+
+def optimizer_state_keys(deepspeed: dict) -> tuple[str, ...]:
+    """The optimizer state a transition can carry under a DeepSpeed config: Adam's moments, SGD's
+    momentum (none without momentum)."""
+    optimizer = deepspeed.get("optimizer", {"type": "AdamW"})
+    kind = optimizer.get("type", "AdamW").lower()
+    if kind == "sgd" and not optimizer.get("params", {}).get("momentum", 0.0):
+        return ()
+    return OPTIMIZER_STATE_KEYS[kind]
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """A copy of ``base`` with ``override`` merged in, nested objects key by key."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
 
 
 def load_config(source: "str | os.PathLike | dict") -> RunConfig:

@@ -130,6 +130,10 @@ def check_optimizers(cfg) -> None:
     check_optimizer(cfg.deepspeed)
     if not cfg.multilevel.enabled:
         return
+    ode = cfg.multilevel.ode
+    if ode is not None and {"optimizer", "zero_optimization"} & set(ode.coarse_deepspeed):
+        where = "multilevel.ode.coarse_deepspeed (merged into the top-level DeepSpeed keys): "
+        check_optimizer(_merge(cfg.deepspeed, ode.coarse_deepspeed), where=where)
     for i, level in enumerate(cfg.multilevel.levels):
         if {"optimizer", "zero_optimization"} & set(level.deepspeed):
             where = f"multilevel.levels[{i}].deepspeed (merged into the top-level DeepSpeed keys): "

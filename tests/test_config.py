@@ -38,8 +38,9 @@ ACCEPTED = {
         "width_pairing",
     ],
     OdeConfig: [
-        "coarse", "coarse_lr", "coarse_steps", "coherence", "correction_scale", "cycles", "final_lr", "final_steps",
-        "fine_lr", "line_search", "optimizer_state", "post_steps", "pre_steps", "prolongation", "residual_scale",
+        "coarse", "coarse_deepspeed", "coarse_lr", "coarse_steps", "coarse_tensor_model_parallel_size", "coherence",
+        "correction_scale", "cycles", "final_lr", "final_steps", "fine_lr", "line_search", "optimizer_state",
+        "post_steps", "pre_steps", "prolongation", "residual_scale",
     ],
     LevelConfig: [
         "alpha", "deepspeed", "lr_after", "lr_before", "steps_after", "steps_before",
@@ -48,7 +49,7 @@ ACCEPTED = {
     VisitConfig: ["lr", "steps"],
     LRConfig: ["decay", "min_ratio", "peak", "warmup_steps"],
     DataConfig: [
-        "cache_dir", "masking_probability", "num_workers", "prefix", "seq_length",
+        "blend", "cache_dir", "masking_probability", "num_workers", "prefix", "seq_length",
         "short_sequence_probability", "split", "tokenizer_model", "valid_seed",
     ],
     TrainingConfig: [

@@ -241,6 +241,35 @@ def test_ode_block_round_trips_and_defaults():
         ({**_ode(coherence="first_order"), "fp16": {"enabled": True}}, r"not supported with fp16"),
         ({**_ode(optimizer_state="keep"), "bf16": {"enabled": True}},
          r"optimizer_state = 'keep' with bf16/fp16 needs zero_optimization.stage >= 1"),
+        # the coarse models' layout
+        (_ode(coarse_tensor_model_parallel_size=3),
+         r"^multilevel.ode.coarse_tensor_model_parallel_size = 3 does not divide model.num_attention_heads = 4 "
+         r"\(the coarse models keep the fine width\); valid values are \[1, 2, 4\]$"),
+        ({**_ode(coarse_tensor_model_parallel_size=8), "model": {"num_layers": 4, "num_attention_heads": 8,
+                                                                 "ffn_hidden_size": 100}},
+         r"coarse_tensor_model_parallel_size = 8 does not divide model.ffn_hidden_size = 100 .*valid values are "
+         r"\[1, 2, 4\]"),
+        (_ode(coarse_tensor_model_parallel_size=0),
+         r"multilevel.ode.coarse_tensor_model_parallel_size must be a positive"),
+        (_ode(coarse_tensor_model_parallel_size=1.0),
+         r"multilevel.ode.coarse_tensor_model_parallel_size: expected an integer"),
+        (_ode(coarse_deepspeed={"zero_optimisation": {"stage": 3}}),
+         r"multilevel.ode.coarse_deepspeed: unknown DeepSpeed key\(s\) \['zero_optimisation'\]; valid keys are .*"
+         r"'zero_optimization'"),
+        (_ode(coarse_deepspeed={"zero_optimization": {"stage": 4}}),
+         r"^multilevel.ode.coarse_deepspeed \(merged into the top-level DeepSpeed keys\): zero_optimization.stage = 4; "
+         r"valid choices are \[0, 1, 2, 3\]$"),
+        ({**_ode(coarse_deepspeed={"zero_optimization": {"stage": 2}}), "optimizer": {"type": "SGD"}},
+         r"^multilevel.ode.coarse_deepspeed .*\"zero_allow_untested_optimizer\": true for SGD under ZeRO"),
+        ({**_ode(optimizer_state="map", coarse_deepspeed={"zero_optimization": {"stage": 0}}),
+          "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
+         r"^multilevel.ode.coarse_deepspeed .*optimizer_state = 'map' with bf16/fp16 needs zero_optimization.stage"),
+        (_ode(optimizer_state="map", coarse_deepspeed={"optimizer": {"type": "SGD", "params": {"momentum": 0.9}},
+                                                       "zero_allow_untested_optimizer": True}),
+         r"optimizer_state = 'map' carries the fine optimizer's state \['exp_avg', 'exp_avg_sq'\] into the coarse "
+         r"optimizer and back, .* with state \['momentum_buffer'\]"),
+        (_ode(coarse_deepspeed={"optimizer": {"type": "SGD", "params": {"eps": 1e-8}}}),
+         r"^multilevel.ode.coarse_deepspeed .*optimizer.params.eps is not a parameter of optimizer.type = 'SGD'"),
     ],
 )
 def test_bad_ode_configs(data, message):
@@ -252,3 +281,27 @@ def test_sgd_under_zero_with_deepspeed_s_switch():
     cfg = load_config({**_ode(), "optimizer": {"type": "SGD", "params": {"momentum": 0.9}},
                        "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True})
     assert cfg.deepspeed["optimizer"]["type"] == "SGD"
+
+
+def test_ode_coarse_layout():
+    """The coarse models' TP size and DeepSpeed overrides give level 1 its own layout and batch split;
+    a TP size the world cannot hold is refused before anything is built, naming the key."""
+    from megatron_multilevel.parallel.transition import Layout
+    from megatron_multilevel.training.engines import LevelEngines
+
+    layout = {"coarse_tensor_model_parallel_size": 1, "coarse_deepspeed": {"zero_optimization": {"stage": 3}}}
+    cfg = load_config({**_ode(**layout), "parallel": {"tensor_model_parallel_size": 2}, "train_batch_size": 8,
+                       "zero_optimization": {"stage": 1}})
+    assert cfg.level_tp_sizes() == [2, 1]
+    assert cfg.level_deepspeed(0)["zero_optimization"] == {"stage": 1}
+    assert cfg.level_deepspeed(1)["zero_optimization"] == {"stage": 3}
+    levels = LevelEngines(cfg, 2)
+    assert (levels.layout(0), levels.layout(1)) == (Layout(2, 1), Layout(1, 3))
+    assert (levels.micro_batch(0), levels.micro_batch(1)) == (8, 4)  # the coarse models have DP=2
+    assert load_config(_ode()).level_tp_sizes() == [1, 1]
+    # keep: the coarse optimizer starts afresh, so it may be another one
+    keep = load_config(_ode(optimizer_state="keep", coarse_deepspeed={"optimizer": {"type": "SGD"}}))
+    assert keep.level_deepspeed(1)["optimizer"] == {"type": "SGD"}
+    with pytest.raises(ValueError, match=r"^level 1: multilevel.ode.coarse_tensor_model_parallel_size = 4 does not "
+                                         r"divide the world size 2; valid values are \[1, 2\]$"):
+        LevelEngines(load_config({**_ode(coarse_tensor_model_parallel_size=4), "train_batch_size": 8}), 2)

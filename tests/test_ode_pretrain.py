@@ -209,6 +209,72 @@ def test_two_processes_zero3(corpus, tmp_path):
     assert list((tmp_path / "two" / "snapshots" / "level0" / "params").glob("*.rank1.pt"))
 
 
+# The fine model at TP=2 with ZeRO-1, the coarse models at TP=1 (DP=2) with ZeRO-3.
+COARSE_LAYOUT = {"coarse_tensor_model_parallel_size": 1, "coarse_deepspeed": {"zero_optimization": {"stage": 3}}}
+
+
+def _coarse_layout_config(tmp_path, corpus, name):
+    training = {"output_dir": str(tmp_path / name), "log_interval": 1, "eval_interval": 4, "eval_batches": 2,
+                "save_interval": 3, "seed": 5, "keep_checkpoints": 100}
+    return _config(tmp_path, corpus, name, ode={**FULL, **COARSE_LAYOUT}, training=training,
+                   parallel={"tensor_model_parallel_size": 2}, zero_optimization={"stage": 1})
+
+
+@pytest.fixture(scope="module")
+def coarse_layout_run(tmp_path_factory, corpus):
+    """Two processes, the coarse models in their own layout; not interrupted."""
+    tmp = tmp_path_factory.mktemp("coarse_layout")
+    result = _ok(launch(_coarse_layout_config(tmp, corpus, "run"), "--num_procs", 2))
+    return {"dir": tmp / "run", "stdout": result.stdout}
+
+
+def _ranks_of(checkpoint):
+    """(tensor-parallel ranks, data-parallel ranks) whose files a checkpoint holds."""
+    tp = {p.name.split("mp_rank_")[1][:2] for p in checkpoint.glob("*mp_rank_*_model_states.pt")}
+    dp = {p.name.split("_")[3] for p in checkpoint.glob("*optim_states.pt")}
+    return len(tp), len(dp)
+
+
+def test_two_processes_coarse_tensor_parallel_change(reference, coarse_layout_run):
+    """Fine TP=2 (ZeRO-1), coarse TP=1 over DP=2 (ZeRO-3): every transition gathers and reshards; AdamW
+    moments mapped, coherence and line search on, as the one-process run."""
+    run = coarse_layout_run["dir"]
+    _assert_same_run(run, reference["dir"], 2e-4)
+    ckpts = run / "checkpoints"
+    assert _ranks_of(ckpts / "phase00-step0000002") == (2, 1)  # fine: two TP shards, one data-parallel rank
+    assert _ranks_of(ckpts / "phase01-step0000003") == (1, 2)  # coarse: one TP rank, ZeRO-3 over two
+    assert _ranks_of(ckpts / "phase02-step0000002") == (2, 1)
+
+
+def test_coarse_tensor_parallel_change_resumes_on_the_same_trajectory(coarse_layout_run, corpus, tmp_path):
+    """Killed mid coarse phase (after its checkpoint at global step 3): the tools read the coarse
+    checkpoint in its own layout; the resumed run rebuilds the fine model from the TP=2 checkpoint
+    before the coarse phase and the coherence vector at TP=1, and follows the run that was not killed."""
+    import subprocess
+    import sys
+
+    from launch_helpers import ROOT
+
+    config = _coarse_layout_config(tmp_path, corpus, "run")
+    crashed = launch(config, "--num_procs", 2, env={"MEGATRON_MULTILEVEL_CRASH_AT": "step5"})
+    assert crashed.returncode != 0
+    run = tmp_path / "run"
+    assert (run / "checkpoints" / "latest").read_text() == "phase01-step0000001"
+
+    def tool(name, *args):
+        return subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)], capture_output=True,
+                              text=True, timeout=600, cwd=ROOT)
+
+    info = tool("inspect_checkpoint.py", run)
+    assert info.returncode == 0, info.stderr[-3000:]
+    assert "layout: TP=1, ZeRO stage 3" in info.stdout and "the even fine layers [0, 2] of 4" in info.stdout
+    full = tool("convert_checkpoint.py", "to-full", run, tmp_path / "full")
+    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+    resumed = _ok(launch(config, "--num_procs", 2))
+    assert "resuming from phase01-step0000001" in resumed.stdout
+    _assert_same_run(run, coarse_layout_run["dir"], 1e-6)
+
+
 def test_checkpoint_tools_on_a_coarse_phase(corpus, tmp_path):
     """A run killed in its second coarse phase (the odd layers), at TP=2 with ZeRO-1: the tools say
     which fine layers the latest checkpoint holds, consolidate it, refuse to de-coalesce it, and

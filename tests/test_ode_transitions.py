@@ -5,7 +5,8 @@ batch), checks that the coarse gradient at the restricted point is the restricte
 trains the coarse model one step, prolongs it back and trains one more step. At each point the
 parameters (and the optimizer state that is kept or mapped) are gathered with an independent
 reference gather and compared with the pure operators applied to the gathered tensors; the losses
-of every layout are compared with the one-process run.
+of every layout are compared with the one-process run. The coarse model may run in another layout
+than the fine one (TP size and ZeRO stage), as ``multilevel.ode.coarse_*`` sets it.
 """
 
 import pytest
@@ -25,24 +26,24 @@ def _model_config(kind):
     return _shared_model_config(kind, kind="bert" if kind == "bert" else "gpt")
 
 
-def _ds_config(case, dp):
+def _ds_config(case, dp, stage):
     if case["optimizer"] == "sgd":
         optimizer = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}}
     else:
         # a large eps, so that float noise in near-zero gradients is not amplified into lr-sized differences
         optimizer = {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-3, "weight_decay": 0.0, "torch_adam": True}}
     return {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp, "gradient_accumulation_steps": 1,
-            "optimizer": optimizer, "zero_optimization": {"stage": case["stage"]}, "steps_per_print": 10**9,
+            "optimizer": optimizer, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
             "zero_allow_untested_optimizer": True}
 
 
-def _engine(model, case):
+def _engine(model, case, stage):
     import deepspeed
     from megatron.core import parallel_state as ps
 
     from megatron_multilevel.parallel.mpu import mpu
 
-    config = _ds_config(case, ps.get_data_parallel_world_size())
+    config = _ds_config(case, ps.get_data_parallel_world_size(), stage)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
     return engine
 
@@ -95,6 +96,26 @@ def _gather_dict(values, cfg):
     return out
 
 
+def _shard_like(full, module, cfg):
+    """This rank's tensor-parallel shards of full tensors, split as Megatron's own parameter
+    attributes say (an independent counterpart of ``_reference_gather``)."""
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    params = dict(module.named_parameters())
+    out = {}
+    for name, t in full.items():
+        p = params[name]
+        if getattr(p, "tensor_model_parallel", False) and tp > 1:
+            if name.endswith("linear_fc1.weight") and cfg.gated:
+                gate, up = t.chunk(2, dim=0)
+                t = torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
+            else:
+                t = t.chunk(tp, dim=p.partition_dim)[rank]
+        out[name] = t.contiguous()
+    return out
+
+
 def _case(case):
     from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
     from megatron_multilevel.level_maps import LayerSelection
@@ -109,12 +130,14 @@ def _case(case):
 
     cfg = _model_config(case["kind"])
     sel = LayerSelection(cfg, case["parity"], RESIDUAL_SCALE)
-    layout = Layout(case["tp"], case["stage"])
+    fine_layout = Layout(case["tp"], case["stage"])
+    coarse_layout = Layout(case.get("coarse_tp", case["tp"]), case.get("coarse_stage", case["stage"]))
+    layouts = dict(fine_layout=fine_layout, coarse_layout=coarse_layout)
     keys = ("momentum_buffer",) if case["optimizer"] == "sgd" else ("exp_avg", "exp_avg_sq")
     keys = () if case["state"] == "reset" else keys
-    set_tensor_model_parallel_size(layout.tensor_model_parallel_size)
+    set_tensor_model_parallel_size(fine_layout.tensor_model_parallel_size)
     set_seed(7)
-    fine = _engine(build_model(cfg), case)
+    fine = _engine(build_model(cfg), case, fine_layout.zero_stage)
     out = {"losses": [_train_step(fine, cfg, seed=1)]}
     fine_full = _reference_gather(fine, cfg)
     fine_state = {k: _reference_gather(fine, cfg, k) for k in keys}
@@ -124,10 +147,11 @@ def _case(case):
     with _CountCollectives() as counter:
         if keys:
             materialize_optimizer_state(fine.optimizer, keys)
-        staged, before = restrict(fine.module, sel, layout=layout, ds_config=_ds_config(case, 1),
+        staged, before = restrict(fine.module, sel, **layouts, ds_config=_ds_config(case, 1, coarse_layout.zero_stage),
                                   optimizer=fine.optimizer, keys=keys, map_state=case["state"] == "map")
+    out["restrict_collectives"] = counter.count
     del fine
-    coarse = _engine(staged.model, case)
+    coarse = _engine(staged.model, case, coarse_layout.zero_stage)
     load_moments(coarse, staged)
     diffs = {"restrict": _max_diff(_reference_gather(coarse, sel.coarse), restrict_tensors(fine_full, sel))}
     for k in keys if case["state"] == "map" else ():
@@ -135,7 +159,8 @@ def _case(case):
                                            restrict_tensors(fine_state[k], sel, degree=DEGREE[k]))
     # first-order coherence: with v added, the coarse gradient at R theta is R grad L_fine(theta)
     coarse_grad = coherence.step_gradients(coarse.module, lambda m: _loss(coarse.module, sel.coarse, 2), 1)
-    v = {n: fine_grad_r - coarse_grad[n] for n, fine_grad_r in restrict_tensors(fine_grad, sel).items()}
+    restricted_here = _shard_like(restricted_grad, coarse.module, sel.coarse)  # in the coarse layout
+    v = {n: fine_grad_r - coarse_grad[n] for n, fine_grad_r in restricted_here.items()}
     # with two accumulation steps (the same batch twice) each gets half of v
     hook = coherence.CoherenceHook(coarse.module, v, 2)
     coherent = coherence.step_gradients(coarse.module, lambda m: _loss(coarse.module, sel.coarse, 2), 2)
@@ -149,11 +174,12 @@ def _case(case):
     coarse_state = {k: _reference_gather(coarse, sel.coarse, k) for k in keys}
 
     with counter:
-        staged = prolong(coarse.module, before, sel, layout=layout, prolongation=case["prolongation"],
-                         ds_config=_ds_config(case, 1), optimizer=coarse.optimizer, state=case["state"])
+        staged = prolong(coarse.module, before, sel, **layouts, prolongation=case["prolongation"],
+                         ds_config=_ds_config(case, 1, fine_layout.zero_stage), optimizer=coarse.optimizer,
+                         state=case["state"])
     out["collectives"] = counter.count
     del coarse
-    fine = _engine(staged.model, case)
+    fine = _engine(staged.model, case, fine_layout.zero_stage)
     load_moments(fine, staged)
     diffs["prolong"] = _max_diff(_reference_gather(fine, cfg),
                                  prolong_tensors(fine_full, coarse_full, sel, prolongation=case["prolongation"]))
@@ -177,8 +203,15 @@ def _worker(rank, world, cases):
 
 
 def _cases(layouts, **kw):
+    """``layouts``: (TP, ZeRO stage) of both models, or (fine TP, fine stage, coarse TP, coarse stage)."""
     base = dict(kind="gpt", optimizer="adamw", state="map", parity=1, prolongation="linear")
-    return [{**base, **kw, "tp": tp, "stage": stage} for tp, stage in layouts]
+    cases = []
+    for tp, stage, *coarse in layouts:
+        layout = {"tp": tp, "stage": stage}
+        if coarse:
+            layout.update(coarse_tp=coarse[0], coarse_stage=coarse[1])
+        cases.append({**base, **kw, **layout})
+    return cases
 
 
 REFERENCE_CASES = (
@@ -196,7 +229,7 @@ def reference(tmp_path_factory):
 
 
 def _key(case):
-    return tuple(sorted((k, v) for k, v in case.items() if k not in ("tp", "stage")))
+    return tuple(sorted((k, v) for k, v in case.items() if k not in ("tp", "stage", "coarse_tp", "coarse_stage")))
 
 
 def _check(results, cases, reference):
@@ -232,3 +265,20 @@ def test_two_processes(reference, tmp_path):
     results = run_ranks(_worker, 2, tmp_path, cases)
     _check(results, cases, reference)
     assert results[0][0]["collectives"] == 0  # TP=2, no ZeRO-3: every rank maps its own shards
+
+
+def test_two_processes_tensor_parallel_change(reference, tmp_path):
+    """The coarse model at another TP size than the fine one (TP=2 <-> TP=1 with DP=2), ZeRO stages
+    equal or not on the two sides: every tensor gathered, mapped and resharded; the one-process
+    result."""
+    # (fine TP, fine ZeRO stage, coarse TP, coarse ZeRO stage)
+    cases = _cases([(2, 1, 1, 1), (2, 3, 1, 3)])
+    cases += _cases([(2, 1, 1, 3)], optimizer="sgd", state="keep", parity=0, prolongation="correction")
+    cases += _cases([(2, 0, 1, 3)], state="reset", prolongation="correction")
+    cases += _cases([(2, 3, 1, 1)], kind="bert", state="keep", prolongation="constant")
+    cases += _cases([(1, 3, 2, 0)], kind="llama", optimizer="sgd", state="map", parity=0)
+    results = run_ranks(_worker, 2, tmp_path, cases)
+    _check(results, cases, reference)
+    for case, result in zip(cases, results[0]):
+        # the TP=2 model is gathered whole (restriction reads the fine model, prolongation the coarse one)
+        assert result["restrict_collectives" if case["tp"] == 2 else "collectives"] > 0, case

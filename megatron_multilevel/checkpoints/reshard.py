@@ -76,6 +76,8 @@ def reshard(src: str, out: str, *, target_tp: int, overwrite: bool = False) -> N
     config["parallel"] = {**config.get("parallel", {}), "tensor_model_parallel_size": target_tp}
     for level in config.get("multilevel", {}).get("levels", []):
         level["tensor_model_parallel_size"] = None
+    if config.get("multilevel", {}).get("ode"):  # the ODE strategy's coarse models too
+        config["multilevel"]["ode"]["coarse_tensor_model_parallel_size"] = None
     config.setdefault("training", {})["output_dir"] = os.path.abspath(out)
     try:
         parsed = load_config(config)

@@ -8,15 +8,20 @@ start being recomputed from the snapshot (what the restriction wrote). ``carry``
 level's model again for a new phase. Each returns a model ready for ``deepspeed.initialize`` and
 optimizer state staged for :func:`~megatron_multilevel.parallel.transition.load_moments`.
 
-The layer selection maps every tensor on its own, so each rank maps its own tensor-parallel shards
-with no communication, at any TP size; under ZeRO-3 parameters are gathered over the data-parallel
-ranks one at a time and partitioned again on writing. Snapshots are partitioned over the
-data-parallel ranks that hold the same shards.
+The layer selection maps every tensor on its own, so when both models have the same tensor-parallel
+size each rank maps its own shards with no communication (``shard_local``); under ZeRO-3 parameters
+are gathered over the data-parallel ranks one at a time and partitioned again on writing, and
+snapshots are partitioned over the data-parallel ranks that hold the same shards. When the coarse
+models have another TP size (``multilevel.ode.coarse_tensor_model_parallel_size``), every tensor is
+gathered whole over the source model's TP group, mapped, and resharded into the target layout, one
+parameter at a time, and snapshots hold full tensors partitioned over all ranks, as the V-cycle's
+general path does.
 """
 
 from typing import Literal, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from megatron_multilevel.config import ModelConfig
 from megatron_multilevel.level_maps import LayerSelection
@@ -29,6 +34,7 @@ from megatron_multilevel.ode_operators import (
     unrestrict_layer,
 )
 from megatron_multilevel.parallel.streams import Groups, ModelReader, ModelWriter, Snapshot, Storage
+from megatron_multilevel.parallel.tp_layout import partition_dim, shard, unshard
 from megatron_multilevel.parallel.transition import (
     FineSnapshot,
     Layout,
@@ -38,92 +44,142 @@ from megatron_multilevel.parallel.transition import (
     _copy_stream,
     _snapshot_group,
 )
+from megatron_multilevel.plan import parameter_plan
 
 OptimizerState = Literal["reset", "keep", "map"]
 # Adam's second moment is a squared gradient: the residual scale acts on it squared.
 DEGREE = {"exp_avg": 1, "exp_avg_sq": 2, "momentum_buffer": 1}
 
 
-def _snapshot(kind: str, keep: Storage, keep_dir: Optional[str]) -> Snapshot:
-    return Snapshot(_snapshot_group(True), storage=keep, directory=None if keep_dir is None else f"{keep_dir}/{kind}")
+def shard_local(fine_layout: Layout, coarse_layout: Layout) -> bool:
+    """Whether each rank maps its own tensor-parallel shards (no communication): the selection maps
+    every tensor on its own, so whenever both models have the same TP size."""
+    return fine_layout.tensor_model_parallel_size == coarse_layout.tensor_model_parallel_size
 
 
-def _reader(module, cfg: ModelConfig, optimizer=None, key=None) -> ModelReader:
-    return ModelReader(module, cfg, Groups.current(), local=True, optimizer=optimizer, state_key=key)
+def _check_layouts(selection: LayerSelection, fine_layout: Layout, coarse_layout: Layout) -> None:
+    world = dist.get_world_size()
+    fine_layout.check(selection.fine, world, "fine model layout")
+    coarse_layout.check(selection.coarse, world, "coarse model layout")
 
 
-def restrict(fine_module: torch.nn.Module, selection: LayerSelection, *, layout: Layout,
+def _snapshot(kind: str, local: bool, keep: Storage, keep_dir: Optional[str]) -> Snapshot:
+    directory = None if keep_dir is None else f"{keep_dir}/{kind}"
+    return Snapshot(_snapshot_group(local), storage=keep, directory=directory)
+
+
+def _reader(module, cfg: ModelConfig, groups: Groups, local: bool, optimizer=None, key=None) -> ModelReader:
+    return ModelReader(module, cfg, groups, local=local, optimizer=optimizer, state_key=key)
+
+
+def restrict(fine_module: torch.nn.Module, selection: LayerSelection, *, fine_layout: Layout, coarse_layout: Layout,
              ds_config: Optional[dict] = None, optimizer=None, keys: Sequence[str] = (),
              map_state: bool = False, keep: Storage = "memory", keep_dir: Optional[str] = None
              ) -> tuple[Staged, FineSnapshot]:
-    """Build the coarse model of ``selection`` from the fine model; keep the fine model.
+    """Build the coarse model of ``selection`` in ``coarse_layout`` from the fine model (which runs in
+    ``fine_layout``, the current parallel state); keep the fine model.
 
     ``keys`` name the optimizer state (of ``optimizer``, the fine engine's) kept in the snapshot;
     with ``map_state`` it is also restricted and staged for the coarse optimizer.
     """
-    before = FineSnapshot(_snapshot("params", keep, keep_dir), step=_adam_step(optimizer) if keys else 0)
-    coarse_model = _build_target(selection.coarse, layout, ds_config)
-    writer = ModelWriter(coarse_model, selection.coarse, Groups.current(), local=True)
-    _restrict_stream(_reader(fine_module, selection.fine), writer, selection, tee=before.params)
-    staged = Staged(coarse_model, selection.coarse, True, step=before.step)
+    _check_layouts(selection, fine_layout, coarse_layout)
+    local = shard_local(fine_layout, coarse_layout)
+    fine_groups = Groups.current()  # captured before the coarse model's layout replaces it
+    before = FineSnapshot(_snapshot("params", local, keep, keep_dir), step=_adam_step(optimizer) if keys else 0)
+    coarse_model = _build_target(selection.coarse, coarse_layout, ds_config)
+    writer = ModelWriter(coarse_model, selection.coarse, Groups.current(), local=local)
+    _restrict_stream(_reader(fine_module, selection.fine, fine_groups, local), writer, selection, tee=before.params)
+    staged = Staged(coarse_model, selection.coarse, local, step=before.step)
     for key in keys:
-        before.moments[key] = _snapshot(key, keep, keep_dir)
-        reader = _reader(fine_module, selection.fine, optimizer, key)
+        before.moments[key] = _snapshot(key, local, keep, keep_dir)
+        reader = _reader(fine_module, selection.fine, fine_groups, local, optimizer, key)
         if map_state:
-            staged.moments[key] = Snapshot(_snapshot_group(True))
+            staged.moments[key] = Snapshot(_snapshot_group(local))
             _restrict_stream(reader, staged.moments[key], selection, tee=before.moments[key], degree=DEGREE[key])
         else:
             _copy_stream(reader, before.moments[key], selection.fine.num_layers)
     return staged, before
 
 
-def prolong(coarse_module: torch.nn.Module, before: FineSnapshot, selection: LayerSelection, *, layout: Layout,
-            prolongation: Prolongation = "correction", correction_scale: float = 1.0,
-            ds_config: Optional[dict] = None, optimizer=None, state: OptimizerState = "reset") -> Staged:
-    """Build the fine model again: ``before`` plus the prolonged change of the coarse model.
+def prolong(coarse_module: torch.nn.Module, before: FineSnapshot, selection: LayerSelection, *,
+            fine_layout: Layout, coarse_layout: Layout, prolongation: Prolongation = "correction",
+            correction_scale: float = 1.0, ds_config: Optional[dict] = None, optimizer=None,
+            state: OptimizerState = "reset", coarse_groups: Optional[Groups] = None) -> Staged:
+    """Build the fine model again, in ``fine_layout``: ``before`` plus the prolonged change of the
+    coarse model (which runs in ``coarse_layout``).
 
     ``state``: no optimizer state (``reset``), the fine state kept in ``before`` (``keep``), or that
     state with the selected layers' and shared parameters' taken back from the coarse optimizer
-    ``optimizer`` (``map``).
+    ``optimizer`` (``map``). ``coarse_groups``: the coarse model's tensor-parallel group, by default
+    the current one; a caller that prolongs the same coarse model again (the line search) captures it
+    before the first call, which sets up the fine layout.
     """
-    fine_model = _build_target(selection.fine, layout, ds_config)
-    writer = ModelWriter(fine_model, selection.fine, Groups.current(), local=True)
-    _prolong_stream(_reader(coarse_module, selection.coarse), before.params, writer, selection, prolongation,
-                    correction_scale)
+    _check_layouts(selection, fine_layout, coarse_layout)
+    local = shard_local(fine_layout, coarse_layout)
+    coarse_groups = coarse_groups or Groups.current()
+    fine_model = _build_target(selection.fine, fine_layout, ds_config)
+    writer = ModelWriter(fine_model, selection.fine, Groups.current(), local=local)
+    _prolong_stream(_reader(coarse_module, selection.coarse, coarse_groups, local), before.params, writer, selection,
+                    prolongation, correction_scale)
     if state == "reset":
-        return Staged(fine_model, selection.fine, True)
+        return Staged(fine_model, selection.fine, local)
     if state == "keep":
-        return Staged(fine_model, selection.fine, True, moments=dict(before.moments), step=before.step)
-    staged = Staged(fine_model, selection.fine, True, step=_adam_step(optimizer))
+        return Staged(fine_model, selection.fine, local, moments=dict(before.moments), step=before.step)
+    staged = Staged(fine_model, selection.fine, local, step=_adam_step(optimizer))
     for key, kept in before.moments.items():
-        staged.moments[key] = Snapshot(_snapshot_group(True))
-        _map_back_stream(_reader(coarse_module, selection.coarse, optimizer, key), kept, staged.moments[key],
-                         selection, DEGREE[key])
+        staged.moments[key] = Snapshot(_snapshot_group(local))
+        _map_back_stream(_reader(coarse_module, selection.coarse, coarse_groups, local, optimizer, key), kept,
+                         staged.moments[key], selection, DEGREE[key])
     return staged
 
 
 def carry(module: torch.nn.Module, cfg: ModelConfig, *, layout: Layout, ds_config: Optional[dict] = None,
           optimizer=None, keys: Sequence[str] = ()) -> Staged:
-    """The same level's model again, for a new phase; with ``keys``, its optimizer state too."""
+    """The same level's model again (same layout), for a new phase; with ``keys``, its optimizer
+    state too."""
+    groups = Groups.current()
     model = _build_target(cfg, layout, ds_config)
-    _copy_stream(_reader(module, cfg), ModelWriter(model, cfg, Groups.current(), local=True), cfg.num_layers)
+    _copy_stream(_reader(module, cfg, groups, True), ModelWriter(model, cfg, groups, local=True), cfg.num_layers)
     staged = Staged(model, cfg, True, step=_adam_step(optimizer) if keys else 0)
     for key in keys:
         staged.moments[key] = Snapshot(_snapshot_group(True))
-        _copy_stream(_reader(module, cfg, optimizer, key), staged.moments[key], cfg.num_layers)
+        _copy_stream(_reader(module, cfg, groups, True, optimizer, key), staged.moments[key], cfg.num_layers)
     return staged
 
 
-def snapshot_fine(module: torch.nn.Module, cfg: ModelConfig, *, optimizer=None, keys: Sequence[str] = (),
-                  keep: Storage = "memory", keep_dir: Optional[str] = None) -> FineSnapshot:
-    """The snapshot ``restrict`` keeps, taken again from a fine model (a resumed run's checkpoint
-    of the phase before the coarse one)."""
-    before = FineSnapshot(_snapshot("params", keep, keep_dir), step=_adam_step(optimizer) if keys else 0)
-    _copy_stream(_reader(module, cfg), before.params, cfg.num_layers)
+def snapshot_fine(module: torch.nn.Module, selection: LayerSelection, *, fine_layout: Layout, coarse_layout: Layout,
+                  optimizer=None, keys: Sequence[str] = (), keep: Storage = "memory",
+                  keep_dir: Optional[str] = None) -> FineSnapshot:
+    """The snapshot ``restrict`` keeps, taken again from a fine model in ``fine_layout`` (a resumed
+    run's checkpoint of the phase before the coarse one)."""
+    _check_layouts(selection, fine_layout, coarse_layout)
+    local = shard_local(fine_layout, coarse_layout)
+    cfg, groups = selection.fine, Groups.current()
+    before = FineSnapshot(_snapshot("params", local, keep, keep_dir), step=_adam_step(optimizer) if keys else 0)
+    _copy_stream(_reader(module, cfg, groups, local), before.params, cfg.num_layers)
     for key in keys:
-        before.moments[key] = _snapshot(key, keep, keep_dir)
-        _copy_stream(_reader(module, cfg, optimizer, key), before.moments[key], cfg.num_layers)
+        before.moments[key] = _snapshot(key, local, keep, keep_dir)
+        _copy_stream(_reader(module, cfg, groups, local, optimizer, key), before.moments[key], cfg.num_layers)
     return before
+
+
+def reshard_tensors(values: dict[str, torch.Tensor], cfg: ModelConfig, *, source: Groups,
+                    target: Groups) -> dict[str, torch.Tensor]:
+    """Per-parameter tensors (a gradient, the coherence vector) held as this rank's shards of the
+    ``source`` layout, as its shards of the ``target`` layout: gathered over ``source``'s
+    tensor-parallel group where the sizes differ (collective), then split again."""
+    if source.tp_size == target.tp_size:
+        return values
+    plan = parameter_plan(cfg)
+    out = {}
+    for name, t in values.items():
+        rule = plan.rule(name)[1]
+        if partition_dim(rule) is not None and source.tp_size > 1:
+            shards = [torch.empty_like(t) for _ in range(source.tp_size)]
+            dist.all_gather(shards, t.contiguous(), group=source.tp_group)
+            t = unshard(shards, rule)
+        out[name] = shard(t, rule, target.tp_rank, target.tp_size).contiguous()
+    return out
 
 
 def _restrict_stream(reader, writer, selection: LayerSelection, *, tee, degree: int = 1) -> None:

@@ -4,25 +4,14 @@ The global batch stays the same at every level; when a level changes its tensor-
 its data-parallel size and micro-batch follow.
 """
 
-import copy
 from typing import Callable
 
 import torch
 
-from megatron_multilevel.config import OPTIMIZER_STATE_KEYS, ModelConfig, RunConfig
+from megatron_multilevel.config import ModelConfig, RunConfig, deep_merge, optimizer_state_keys  # noqa: F401
 from megatron_multilevel.parallel.transition import Layout
 
 ADAM_TYPES = ("adam", "adamw")
-
-
-def deep_merge(base: dict, override: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 class LevelEngines:
@@ -35,6 +24,7 @@ class LevelEngines:
         self.tp_sizes = cfg.level_tp_sizes()
         ds = cfg.deepspeed
         self.accumulation = int(ds.get("gradient_accumulation_steps", 1))
+        cfg.check_world_size(world_size)
         dp0 = world_size // self.tp_sizes[0]
         if "train_batch_size" in ds:
             self.global_batch = int(ds["train_batch_size"])
@@ -43,10 +33,6 @@ class LevelEngines:
         else:
             raise ValueError("config: set train_batch_size or train_micro_batch_size_per_gpu")
         for level, tp in enumerate(self.tp_sizes):
-            if world_size % tp:
-                raise ValueError(
-                    f"level {level}: tensor_model_parallel_size = {tp} does not divide the world size {world_size}"
-                )
             dp = world_size // tp
             if self.global_batch % (self.accumulation * dp):
                 raise ValueError(
@@ -69,16 +55,10 @@ class LevelEngines:
     def optimizer_state_keys(self) -> tuple[str, ...]:
         """The optimizer state a transition can carry: Adam's moments, SGD's momentum (none
         without momentum)."""
-        optimizer = self.ds_config(0, 1.0)["optimizer"]
-        kind = optimizer.get("type", "AdamW").lower()
-        if kind == "sgd" and not optimizer["params"].get("momentum", 0.0):
-            return ()
-        return OPTIMIZER_STATE_KEYS[kind]
+        return optimizer_state_keys(self.ds_config(0, 1.0))
 
     def ds_config(self, level: int, lr_peak: float) -> dict:
-        ml = self.cfg.multilevel
-        overrides = ml.levels[level].deepspeed if ml.enabled and ml.strategy == "coalesce" else {}
-        ds = deep_merge(self.cfg.deepspeed, overrides)
+        ds = self.cfg.level_deepspeed(level)
         ds["train_batch_size"] = self.global_batch
         ds["train_micro_batch_size_per_gpu"] = self.micro_batch(level)
         ds["gradient_accumulation_steps"] = self.accumulation

@@ -8,6 +8,10 @@ before the coarse phase is kept as the V-cycle keeps its pre-coalescing model, a
 resume from the checkpoint saved at the end of the phase before (``RunState.open_levels[0]``).
 The coherence vector is saved beside every checkpoint of the coarse phase; the line search's
 reference loss is in ``RunState.ode``.
+
+The coarse models may run at their own tensor-parallel size and DeepSpeed settings (ZeRO stage
+included; ``multilevel.ode.coarse_*``): transitions then reshard every tensor, and the coherence
+vector is built from the fine gradient resharded into the coarse layout.
 """
 
 import gc
@@ -21,8 +25,8 @@ import torch.distributed as dist
 from megatron_multilevel.level_maps import LayerSelection
 from megatron_multilevel.ode_operators import restrict as restrict_tensors
 from megatron_multilevel.parallel import coherence
-from megatron_multilevel.parallel.ode_transition import carry, prolong, restrict, snapshot_fine
-from megatron_multilevel.parallel.streams import materialize_optimizer_state
+from megatron_multilevel.parallel.ode_transition import carry, prolong, reshard_tensors, restrict, snapshot_fine
+from megatron_multilevel.parallel.streams import Groups, materialize_optimizer_state
 from megatron_multilevel.parallel.transition import load_moments
 from megatron_multilevel.training import checkpoint
 from megatron_multilevel.training.flops import flops_per_token, forward_flops_per_token
@@ -61,7 +65,7 @@ class OdeCycle:
             return self._prolong(phase, nxt)
         assert nxt.arrival == "continue", nxt
         old = self._release()
-        staged = carry(old.module, self.t.levels.models[0], layout=self._layout(), ds_config=self._ds(nxt),
+        staged = carry(old.module, self.t.levels.models[0], layout=self._layout(0), ds_config=self._ds(nxt),
                        optimizer=old.optimizer, keys=self._materialized(old))
         del old
         self._start_engine(staged, nxt)
@@ -78,16 +82,18 @@ class OdeCycle:
         if self.ode.line_search:
             state.ode["reference_loss"] = self._batch_loss(t.engine, self._search_step(nxt))
             extra += forward_flops_per_token(t.levels.models[0], t.seq) * t.tokens_per_step
+        fine_groups = Groups.current()
         old = self._release()
         staged, self.before = restrict(
-            old.module, sel, layout=self._layout(), ds_config=self._ds(nxt), optimizer=old.optimizer,
-            keys=self._materialized(old), map_state=self.ode.optimizer_state == "map",
+            old.module, sel, fine_layout=self._layout(0), coarse_layout=self._layout(1), ds_config=self._ds(nxt),
+            optimizer=old.optimizer, keys=self._materialized(old), map_state=self.ode.optimizer_state == "map",
             keep=t.cfg.multilevel.keep_fine, keep_dir=t._keep_dir(0),
         )
         state.open_levels[0] = checkpoint.tag_of(state.phase, state.step)
         del old
         self._start_engine(staged, nxt)
         if fine_grad is not None:
+            fine_grad = reshard_tensors(fine_grad, sel.coarse, source=fine_groups, target=Groups.current())
             coarse_grad = self._gradients(t.engine, 1)
             self._install({name: fine_grad[name] - g for name, g in coarse_grad.items()})
             extra += flops_per_token(t.levels.models[1], t.seq) * t.tokens_per_step
@@ -97,14 +103,17 @@ class OdeCycle:
         t, state, sel = self.t, self.t.state, self.selection(phase)
         scale = self.ode.correction_scale
         trials = [scale / 2**k for k in range(MAX_HALVINGS + 1)] + [0.0] if self.ode.line_search else [scale]
+        coarse_groups = Groups.current()  # each trial builds the fine model in the fine layout
         coarse = self._release()
         self._remove_hook()
-        self._materialized(coarse)
+        if self.ode.optimizer_state == "map":
+            self._materialized(coarse)
         extra, losses = 0.0, []
         for scale in trials:
-            staged = prolong(coarse.module, self.before, sel, layout=self._layout(), ds_config=self._ds(nxt),
-                             prolongation=self.ode.prolongation, correction_scale=scale,
-                             optimizer=coarse.optimizer, state=self.ode.optimizer_state)
+            staged = prolong(coarse.module, self.before, sel, fine_layout=self._layout(0),
+                             coarse_layout=self._layout(1), ds_config=self._ds(nxt),
+                             prolongation=self.ode.prolongation, correction_scale=scale, optimizer=coarse.optimizer,
+                             state=self.ode.optimizer_state, coarse_groups=coarse_groups)
             self._start_engine(staged, nxt, crash=scale == trials[0])
             if scale == 0.0 or not self.ode.line_search:
                 break
@@ -146,8 +155,8 @@ class OdeCycle:
             materialize_optimizer_state(engine.optimizer, self.keys)
         return self.keys
 
-    def _layout(self):
-        return self.t.levels.layout(0)
+    def _layout(self, level: int):
+        return self.t.levels.layout(level)
 
     def _ds(self, phase: Phase) -> dict:
         return self.t.levels.ds_config(phase.level, phase.lr.peak)
@@ -198,20 +207,29 @@ class OdeCycle:
         if self.hook is not None:
             coherence.save(self.hook.v, self.t.levels.models[1], directory)
 
-    def resume(self, state, phase: Phase, tag: str) -> None:
-        """Rebuild what the open coarse phase needs after ``trainer.engine`` was loaded from ``tag``
-        (the checkpoint of ``state``)."""
+    def restore_before(self, state) -> None:
+        """Rebuild the fine model from before the open coarse phase, if any, from the checkpoint saved
+        at the end of the phase before it. Called before the current engine is built: it sets up the
+        fine layout, which that engine's replaces."""
         t = self.t
         before_tag = state.open_levels.get(0)
-        if before_tag is not None:
-            fine_phase = t.phases[checkpoint.phase_of(before_tag)]
-            engine = t._engine(t.levels.build_empty_model(0), fine_phase)
-            checkpoint.load(engine, t.run_dir, before_tag, module_only=not self.keys, restore_rng=False)
-            self.before = snapshot_fine(engine.module, t.levels.models[0], optimizer=engine.optimizer,
-                                        keys=self._materialized(engine), keep=t.cfg.multilevel.keep_fine,
-                                        keep_dir=t._keep_dir(0))
-            del engine
-            gc.collect()
+        if before_tag is None:
+            return
+        fine_phase = t.phases[checkpoint.phase_of(before_tag)]
+        coarse_phase = t.phases[checkpoint.phase_of(before_tag) + 1]
+        engine = t._engine(t.levels.build_empty_model(0), fine_phase)
+        checkpoint.load(engine, t.run_dir, before_tag, module_only=not self.keys, restore_rng=False)
+        self.before = snapshot_fine(engine.module, self.selection(coarse_phase), fine_layout=self._layout(0),
+                                    coarse_layout=self._layout(1), optimizer=engine.optimizer,
+                                    keys=self._materialized(engine), keep=t.cfg.multilevel.keep_fine,
+                                    keep_dir=t._keep_dir(0))
+        del engine
+        gc.collect()
+
+    def resume(self, phase: Phase, tag: str) -> None:
+        """Rebuild the coherence hook of the open coarse phase after ``trainer.engine`` was loaded
+        from ``tag``."""
+        t = self.t
         if phase.level == 1 and self.ode.coherence == "first_order":
             directory = os.path.join(checkpoint.checkpoint_dir(t.run_dir), tag)
             self._install(coherence.load(directory, t.levels.models[1], next(t.engine.module.parameters()).device))

@@ -115,11 +115,13 @@ class Trainer:
         self.metrics.say(f"resuming from {tag} (phase {state.phase + 1}/{len(self.phases)}, step {state.step})")
         for level, before_tag in sorted(state.open_levels.items()) if self.ode is None else ():
             self.snapshots[level] = self._snapshot_from_checkpoint(level, before_tag)
+        if self.ode is not None:
+            self.ode.restore_before(state)
         phase = self.phases[state.phase]
         self.engine = self._engine(self.levels.build_empty_model(phase.level), phase)
         checkpoint.load(self.engine, self.run_dir, tag, restore_rng=sidecar["world_size"] == dist.get_world_size())
         if self.ode is not None:
-            self.ode.resume(state, phase, tag)
+            self.ode.resume(phase, tag)
         self.metrics.record("resume", global_step=state.global_step, phase=state.phase, tag=tag)
         return state
 
