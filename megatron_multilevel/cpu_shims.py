@@ -1,6 +1,6 @@
 """Make Megatron-Core run on a machine without CUDA.
 
-Megatron-Core 0.16 hard-codes CUDA in three places that a CPU run reaches:
+Megatron-Core (0.16 and 0.19 alike) hard-codes CUDA in three places that a CPU run reaches:
 1. ``torch.cuda.current_device()`` is the ``device=`` of about twenty allocations
    (attention's global memory buffer, TP mappings, layers, GPTModel);
 2. its RNG tracker (forked by attention even with dropout 0) reads and writes the CUDA

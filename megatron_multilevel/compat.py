@@ -1,0 +1,91 @@
+"""What differs between the Megatron-Core versions this project supports, in one place.
+
+Python 3.10-3.11 installs megatron-core 0.16.1 and Python 3.12+ the 0.19 series (``pyproject.toml``;
+Megatron-Core 0.17+ needs Python 3.12). What differs between them for this project:
+
+- 0.17 removed ``megatron.core.datasets.megatron_tokenizer.MegatronLegacyTokenizer``, the base class
+  of the tokenizers that Megatron's GPT and BERT datasets read (vocabulary, special ids and
+  ``unique_identifiers`` for the index cache). Its replacement, ``megatron.core.tokenizers``, wraps
+  tokenizer libraries of its own; the datasets still read the same attributes, so the base class is
+  kept here, with the same interface, for the versions that no longer ship it.
+
+The same on both, and tested on both (tests/test_compat.py, the model, transition and checkpoint
+tests): the parameter names and layouts, ``get_gpt_layer_local_spec`` / ``bert_layer_local_spec``,
+the dataset config fields the project sets, the ``parallel_state`` calls and the three CUDA points
+of ``cpu_shims``. 0.19 logs that ``GPTModel`` is deprecated in favour of its ``HybridModel``; it
+builds and trains the same.
+"""
+
+import json
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from typing import Any
+
+
+def megatron_core_version() -> tuple:
+    """(major, minor) of the Megatron-Core in use, a wheel or a source checkout alike."""
+    from megatron.core.package_info import MAJOR, MINOR
+
+    return MAJOR, MINOR
+
+
+def has_legacy_tokenizer() -> bool:
+    """Whether Megatron-Core still ships ``MegatronLegacyTokenizer`` (up to 0.16)."""
+    return megatron_core_version() < (0, 17)
+
+
+class _TokenizerBase(ABC):
+    """``MegatronLegacyTokenizer``'s interface, for Megatron-Core 0.17+: what its datasets read.
+
+    ``unique_identifiers`` name the tokenizer in the datasets' index cache; a subclass gives the
+    vocabulary, and the special ids it lacks raise ``NotImplementedError``, which the datasets catch."""
+
+    def __init__(self, *tokenizer_paths: str, **tokenizer_options: Any):
+        self.unique_identifiers = OrderedDict()
+        self.unique_identifiers["class"] = type(self).__name__
+        self.unique_identifiers["tokenizer_path"] = list(tokenizer_paths)
+        for option, value in tokenizer_options.items():
+            self.unique_identifiers[option] = str(value)
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+
+    @abstractmethod
+    def tokenize(self, text: str):
+        """Token ids of ``text``."""
+
+    @property
+    @abstractmethod
+    def vocab(self) -> dict:
+        """Piece -> id."""
+
+    @property
+    @abstractmethod
+    def inv_vocab(self) -> dict:
+        """Id -> piece."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids."""
+
+    def _missing(self, what: str):
+        raise NotImplementedError(f"{type(self).__name__} has no {what!r}")
+
+    def detokenize(self, ids):
+        self._missing("detokenize")
+
+    def offsets(self, ids, text: str):
+        self._missing("offsets")
+
+    cls = property(lambda self: self._missing("cls"))
+    sep = property(lambda self: self._missing("sep"))
+    pad = property(lambda self: self._missing("pad"))
+    eod = property(lambda self: self._missing("eod"))
+    bos = property(lambda self: self._missing("bos"))
+    eos = property(lambda self: self._missing("eos"))
+    mask = property(lambda self: self._missing("mask"))
+
+
+if has_legacy_tokenizer():
+    from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer as TokenizerBase
+else:
+    TokenizerBase = _TokenizerBase
