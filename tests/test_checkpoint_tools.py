@@ -16,7 +16,7 @@ TOOL = ROOT / "tools" / "convert_checkpoint.py"
 
 def convert(*args):
     return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")})
+                          timeout=600, cwd=ROOT, env={"TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions"), **os.environ})
 
 
 def ok(result):

@@ -5,11 +5,16 @@
     python tools/convert_checkpoint.py coalesce out/gpt_full out/gpt_coarse [--no-depth] [--width-pairing adjacent]
     python tools/convert_checkpoint.py decoalesce out/gpt_coarse out/gpt_fine        # reuses the recorded grouping
     python tools/convert_checkpoint.py interpolate out/gpt_fine out/gpt_mix --alpha 0.5 --with out/gpt_full
-    python tools/convert_checkpoint.py to-hf out/gpt_full out/gpt_hf                   # GPT2LMHeadModel / MegatronBertForMaskedLM
-    python tools/convert_checkpoint.py from-hf path/to/hf_model out/from_hf
+    python tools/convert_checkpoint.py to-hf out/gpt_full out/gpt_hf                 # GPT2LMHeadModel / MegatronBertForMaskedLM + tokenizer
+    python tools/convert_checkpoint.py from-hf path/to/hf_model out/from_hf          # its tokenizer files kept beside
+    python tools/convert_checkpoint.py init-run out/from_hf runs/mine --config mine.json   # a run that starts from it
 
 A source is a run directory (its latest checkpoint), one checkpoint tag directory, or a
-consolidated checkpoint. Every conversion writes a new directory (an existing one only with
+consolidated checkpoint. DeepSpeed files are read with an allowlist of the classes they hold
+(``weights_only``): a file that asks for anything else is refused, and nothing in it runs.
+Consolidated checkpoints carry the run's tokenizer, and ``to-hf`` writes it as Hugging Face
+tokenizer files (``--tokenizer`` names another), then checks that ``transformers`` alone continues
+a prompt greedily as the Megatron model does. Every conversion writes a new directory (an existing one only with
 --overwrite) and verifies itself first: exact tensor round trips where the maths says so, and
 logits of source and target on a fixed input, printed as a table. Flags take hyphens or
 underscores.
@@ -56,9 +61,13 @@ def parse_args(argv=None):
     fmt(c)
     c.add_argument("--alpha", type=float, required=True)
     c.add_argument("--with", dest="other", required=True, help="the model before coalescing")
-    command("to-hf", "-> a Hugging Face transformers checkpoint")
+    c = command("to-hf", "-> a Hugging Face transformers checkpoint, with its tokenizer")
+    c.add_argument("--tokenizer", default=None,
+                   help="a SentencePiece model or Hugging Face tokenizer directory (default: the one the source records)")
+    c = command("init-run", "a checkpoint -> a run directory whose training starts from it")
+    c.add_argument("--config", required=True, help="the run config (its model block must match the checkpoint)")
     fmt(command("from-hf", "a Hugging Face transformers checkpoint -> a consolidated checkpoint"))
-    return p.parse_args([a.replace("_", "-") if a in ("to_full", "to_hf", "from_hf") else a for a in (argv or sys.argv[1:])])
+    return p.parse_args([a.replace("_", "-") if a in ("to_full", "to_hf", "from_hf", "init_run") else a for a in (argv or sys.argv[1:])])
 
 
 def main(argv=None) -> int:
@@ -86,7 +95,11 @@ def main(argv=None) -> int:
             convert.interpolate_checkpoint(args.source, args.output, alpha=args.alpha, other=args.other,
                                            fmt=args.format, overwrite=args.overwrite)
         elif args.command == "to-hf":
-            convert.to_hf(args.source, args.output, overwrite=args.overwrite)
+            convert.to_hf(args.source, args.output, overwrite=args.overwrite, tokenizer=args.tokenizer)
+        elif args.command == "init-run":
+            from megatron_multilevel.checkpoints.init_run import init_run
+
+            init_run(args.source, args.config, args.output, overwrite=args.overwrite)
         else:
             convert.from_hf(args.source, args.output, fmt=args.format, overwrite=args.overwrite)
     except ValueError as e:

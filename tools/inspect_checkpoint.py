@@ -3,6 +3,9 @@
     python tools/inspect_checkpoint.py runs/gpt_tiny_cpu            # a run's latest checkpoint
     python tools/inspect_checkpoint.py runs/gpt_tiny_cpu/checkpoints/phase01-step0000100
     python tools/inspect_checkpoint.py out/gpt_full --json          # a consolidated checkpoint
+
+Safe on checkpoints from anywhere: DeepSpeed files are read with ``weights_only=True`` and an
+allowlist of the classes they hold; a file that asks for anything else is refused, nothing in it runs.
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""Prepare pretraining data: text or JSONL -> SentencePiece tokenizer -> Megatron indexed dataset.
+"""Prepare pretraining data: text or JSONL -> tokenizer -> Megatron indexed dataset.
 
     # train a tokenizer on the corpus and write corpus.bin / corpus.idx / corpus.model (GPT)
     python tools/preprocess_data.py --input data/*.txt --output-prefix data/corpus --vocab-size 8000
@@ -7,8 +7,13 @@
     python tools/preprocess_data.py --input data/wiki.jsonl --json-key text --output-prefix data/wiki \\
         --tokenizer-model data/corpus.model --split-sentences
 
-Then point a run config at it: ``"data": {"prefix": "data/corpus", "tokenizer_model": "data/corpus.model"}``.
-Flags take hyphens or underscores, as Megatron's and DeepSpeed's tools do.
+    # a Hugging Face tokenizer directory, e.g. the GPT-2 that convert_checkpoint.py from-hf imported
+    python tools/preprocess_data.py --input data/mine.jsonl --output-prefix data/mine --tokenizer-model path/to/gpt2
+
+Then point a run config at it: ``"data": {"prefix": "data/corpus", "tokenizer_model": "data/corpus.model"}``,
+or blend several datasets made with the same tokenizer: ``"blend": [0.3, "data/corpus", 0.7, "data/mine"]``.
+Beside the dataset, ``PREFIX.meta.json`` records the tokenizer it was made with; a run refuses a
+dataset made with another one. Flags take hyphens or underscores, as Megatron's and DeepSpeed's tools do.
 """
 
 import argparse
@@ -27,7 +32,8 @@ def parse_args(argv=None):
     p.add_argument("--output-prefix", "--output_prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument("--vocab-size", "--vocab_size", type=int, default=8000, help="when training a tokenizer")
     p.add_argument("--tokenizer-model", "--tokenizer_model", default=None,
-                   help="an existing SentencePiece model (default: train one on the input, PREFIX.model)")
+                   help="an existing SentencePiece model, or a Hugging Face tokenizer directory "
+                        "(default: train a SentencePiece model on the input, PREFIX.model)")
     p.add_argument("--json-key", "--json_key", default="text", help="the text field of JSONL records")
     p.add_argument("--split-sentences", "--split_sentences", action="store_true",
                    help="BERT: each non-blank line is a sentence")

@@ -32,6 +32,22 @@ class Source:
     level_maps: list
     description: dict
     rank_shards: Optional[list] = None  # per tensor-parallel rank, for a DeepSpeed source
+    tokenizer: Optional[str] = None  # the tokenizer of its token ids, where one is known
+
+
+def run_tokenizer(config: dict) -> Optional[str]:
+    """The tokenizer a run trained with (its config's, or the embedded corpus's), if it is on disk."""
+    data = config.get("data", {})
+    path = data.get("tokenizer_model")
+    if path is None:
+        from megatron_multilevel.config import DataConfig
+        from megatron_multilevel.data.corpus import corpus_root
+
+        vocab = config.get("model", {}).get("vocab_size")
+        if vocab is None:
+            return None
+        path = str(corpus_root(data.get("cache_dir", DataConfig.cache_dir), vocab) / "tokenizer.model")
+    return os.path.abspath(path) if os.path.exists(path) else None
 
 
 def load_source(path: str) -> Source:
@@ -40,8 +56,9 @@ def load_source(path: str) -> Source:
     if is_full(path):
         tensors, model, meta = load_full(path)
         ode = {k: meta["source"][k] for k in ("strategy", "selection") if meta.get("source", {}).get(k)}
+        tokenizer = os.path.join(path, meta["tokenizer"]) if meta.get("tokenizer") else None
         return Source(tensors, model, meta.get("level", 0), meta.get("level_maps", []),
-                      {"kind": "full", "path": os.path.abspath(path), **ode})
+                      {"kind": "full", "path": os.path.abspath(path), **ode}, tokenizer=tokenizer)
     if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isdir(os.path.join(path, "checkpoints")):
         raise ValueError(f"{path} looks like a Hugging Face checkpoint; convert it with from-hf first")
     from megatron_multilevel.checkpoints.deepspeed_reader import merge_tensor_parallel, open_checkpoint, rank_state_dicts
@@ -55,7 +72,7 @@ def load_source(path: str) -> Source:
     return Source(tensors, ckpt.model, ckpt.level, ckpt.sidecar["level_maps"],
                   {"kind": "deepspeed", "path": ckpt.path, "tag": ckpt.tag, "tensor_model_parallel_size": ckpt.tp,
                    "zero_stage": ckpt.zero_stage, "phase": state["phase"], "step": state["step"],
-                   "global_step": state["global_step"], **ode}, shards)
+                   "global_step": state["global_step"], **ode}, shards, tokenizer=run_tokenizer(ckpt.sidecar["config"]))
 
 
 def _require(ok: bool, what: str) -> None:
@@ -86,7 +103,7 @@ def to_full(src: str, out: str, *, fmt: str = "safetensors", overwrite: bool = F
         _require(verify.compare([(f"source (TP={tp})", "consolidated (TP=1)", source_logits, full_logits)]),
                  "logits of the consolidated model differ from the source's")
     save_full(out, source.tensors, source.model, level=source.level, level_maps=source.level_maps,
-              source=source.description, fmt=fmt)
+              source=source.description, fmt=fmt, tokenizer=source.tokenizer)
     print(f"wrote {out}: {sum(t.numel() for t in source.tensors.values()):,} parameters, level {source.level}")
 
 
@@ -109,7 +126,7 @@ def coalesce_checkpoint(src: str, out: str, *, width: bool, depth: bool, width_p
     # Width de-coalescing preserves the function; depth de-coalescing and coalescing do not.
     _require(verify.compare(rows, required=[False, not depth]), "width de-coalescing changed the logits")
     save_full(out, coarse, lm.coarse, level=source.level + 1, level_maps=source.level_maps + [lm.to_json()],
-              source={**source.description, "operation": "coalesce"}, fmt=fmt)
+              source={**source.description, "operation": "coalesce"}, fmt=fmt, tokenizer=source.tokenizer)
     with open(os.path.join(out, "level_map.json"), "w") as f:
         f.write(lm.to_json())
     print(f"wrote {out}: {lm.coarse.num_layers} layers, hidden {lm.coarse.hidden_size} (grouping in level_map.json)")
@@ -145,7 +162,7 @@ def decoalesce_checkpoint(src: str, out: str, *, level_map: Optional[str], fmt: 
              verify.logits_full(fine, lm.fine, tokens))]
     _require(verify.compare(rows, required=[not lm.depth]), "width de-coalescing changed the logits")
     save_full(out, fine, lm.fine, level=max(0, source.level - 1), level_maps=maps,
-              source={**source.description, "operation": "decoalesce"}, fmt=fmt)
+              source={**source.description, "operation": "decoalesce"}, fmt=fmt, tokenizer=source.tokenizer)
     print(f"wrote {out}: {lm.fine.num_layers} layers, hidden {lm.fine.hidden_size}")
 
 
@@ -168,7 +185,7 @@ def interpolate_checkpoint(src: str, out: str, *, alpha: float, other: str, fmt:
     verify.compare([("--with", f"alpha {alpha}", lb, lm_), ("source", f"alpha {alpha}", la, lm_)], required=[False, False])
     save_full(out, mixed, a.model, level=a.level, level_maps=a.level_maps,
               source={"operation": "interpolate", "alpha": alpha, "source": a.description, "with": b.description},
-              fmt=fmt)
+              fmt=fmt, tokenizer=a.tokenizer or b.tokenizer)
     print(f"wrote {out}")
 
 
@@ -183,12 +200,17 @@ def _quiet_transformers() -> None:
     logging.set_verbosity_error()
 
 
-def to_hf(src: str, out: str, *, overwrite: bool) -> None:
+def to_hf(src: str, out: str, *, overwrite: bool, tokenizer: Optional[str] = None) -> None:
+    """Write a ``transformers`` model and, with it, its tokenizer: ``tokenizer`` (a SentencePiece model
+    or a Hugging Face tokenizer directory), else the one the source records."""
     from megatron_multilevel.checkpoints.hf import check_exportable, from_hf_state_dict, hf_logits, hf_model, to_hf_state_dict
 
     _quiet_transformers()
     source = load_source(src)
     check_exportable(source.model)
+    tokenizer = tokenizer or source.tokenizer
+    if tokenizer is not None and not os.path.exists(tokenizer):
+        raise ValueError(f"--tokenizer {tokenizer!r} does not exist")
     prepare_output(out, overwrite, src)
     hf_sd = to_hf_state_dict(source.tensors, source.model)
     _check_round_trip("Megatron -> Hugging Face -> Megatron tensors",
@@ -199,7 +221,14 @@ def to_hf(src: str, out: str, *, overwrite: bool) -> None:
              verify.logits_full(source.tensors, source.model, tokens), hf_logits(model, source.model, tokens).float())]
     _require(verify.compare(rows), "the Hugging Face model's logits differ")
     model.save_pretrained(out)
-    print(f"wrote {out} ({type(model).__name__})")
+    if tokenizer is None:
+        print(f"wrote {out} ({type(model).__name__}) without a tokenizer: the source records none; pass --tokenizer")
+        return
+    from megatron_multilevel.checkpoints.hf_generation import check_generation, write_tokenizer
+
+    write_tokenizer(tokenizer, out)
+    check_generation(out, source.tensors, source.model, tokenizer)
+    print(f"wrote {out} ({type(model).__name__} and its tokenizer)")
 
 
 def from_hf(src: str, out: str, *, fmt: str, overwrite: bool) -> None:
@@ -224,8 +253,12 @@ def from_hf(src: str, out: str, *, fmt: str, overwrite: bool) -> None:
     rows = [(f"transformers {type(model).__name__} (source)", "Megatron", hf_logits(model, cfg, tokens).float(),
              verify.logits_full(tensors, cfg, tokens))]
     _require(verify.compare(rows), "the Megatron model's logits differ")
+    from megatron_multilevel.data.tokenizer import HF_TOKENIZER_FILES
+
+    has_tokenizer = any(os.path.isfile(os.path.join(src, f)) for f in HF_TOKENIZER_FILES)
     save_full(out, tensors, cfg, source={"kind": "huggingface", "path": os.path.abspath(src),
-                                         "model_type": hf_cfg.model_type}, fmt=fmt)
+                                         "model_type": hf_cfg.model_type}, fmt=fmt,
+              tokenizer=src if has_tokenizer else None)
     with open(os.path.join(out, "model_config.json"), "w") as f:
         json.dump({"model": dataclasses.asdict(cfg)}, f, indent=1)
     print(f"wrote {out}: {cfg.num_layers} layers, hidden {cfg.hidden_size}; model block in model_config.json")

@@ -1,9 +1,12 @@
 """Read a DeepSpeed checkpoint of this project offline (one process, no GPU).
 
 Every ZeRO stage and tensor-parallel size: for each tensor-parallel rank, the fp32 master
-weights are rebuilt from the ZeRO partitions with DeepSpeed's own ``zero_to_fp32`` routines
+weights are rebuilt from the ZeRO partitions with DeepSpeed's own ``zero_to_fp32`` merge routines
 (which handle one model-parallel rank at a time) or, without ZeRO, taken from the module states;
 the ranks are then merged with the plan's tensor-parallel layout.
+
+Files are read here, never by ``zero_to_fp32`` (which unpickles with ``weights_only=False``):
+``safe_load`` refuses any file that asks for more than tensors and DeepSpeed's own few classes.
 """
 
 import contextlib
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_multilevel.checkpoints.safe_load import load_checkpoint_file
 from megatron_multilevel.config import ModelConfig, RunConfig, load_config
 from megatron_multilevel.level_maps import LevelMap
 from megatron_multilevel.parallel.tp_layout import unshard
@@ -68,7 +72,7 @@ def _zero_stage(path: str) -> int:
     optim = sorted(glob.glob(os.path.join(path, "*_optim_states.pt")))
     if not optim:
         return 0
-    state = torch.load(optim[0], map_location="cpu", weights_only=False, mmap=True)
+    state = load_checkpoint_file(optim[0], mmap=True)
     return int(state["optimizer_state_dict"].get("zero_stage", 0))
 
 
@@ -81,7 +85,7 @@ def rank_state_dicts(ckpt: DeepSpeedCheckpoint) -> list[dict[str, torch.Tensor]]
         if not model_files:
             raise ValueError(f"checkpoint {ckpt.path} is missing the shards of tensor-parallel rank {rank} ({tag}_*)")
         if ckpt.zero_stage == 0:
-            state = torch.load(model_files[0], map_location="cpu", weights_only=False)
+            state = load_checkpoint_file(model_files[0])
             sd = {k: v.detach().float() for k, v in state["module"].items() if not is_metadata(k)}
         else:
             sd = _zero_rank(ckpt, model_files, tag)
@@ -95,19 +99,53 @@ def _zero_rank(ckpt: DeepSpeedCheckpoint, model_files: list[str], tag: str) -> d
     from deepspeed.utils import zero_to_fp32 as z
 
     optim_files = sorted(glob.glob(os.path.join(ckpt.path, f"*{tag}_optim_states.pt")), key=z.natural_keys)
+    model_states = [_model_state(f) for f in sorted(model_files, key=z.natural_keys)]
+    stage, world, groups, paddings = _optim_states(optim_files, ckpt.path, tag)
     os.environ.setdefault("TQDM_DISABLE", "1")
     with contextlib.redirect_stdout(io.StringIO()):  # it narrates every step
-        try:
-            model_states = z.parse_model_states(sorted(model_files, key=z.natural_keys))
-            stage, world, groups, paddings = z.parse_optim_states(optim_files, ckpt.path)
-        except (ValueError, FileNotFoundError) as e:
-            raise ValueError(f"checkpoint {ckpt.path}, tensor-parallel rank {tag}: {e}") from None
         if stage <= 2:
             sd = z._get_fp32_state_dict_from_zero2_checkpoint(world, groups, model_states, False, paddings)
         else:
             sd = z._get_fp32_state_dict_from_zero3_checkpoint(world, groups, model_states, False)
         sd = z.to_torch_tensor(sd)
     return {k: v.detach().float().clone() for k, v in sd.items() if not is_metadata(k)}
+
+
+def _model_state(file: str):
+    """``zero_to_fp32.parse_model_states`` for one file, read with the allowlist."""
+    from deepspeed.checkpoint import constants as c
+    from deepspeed.utils.zero_to_fp32 import zero_model_state
+
+    sd = load_checkpoint_file(file)
+    if c.BUFFER_NAMES not in sd:
+        raise ValueError(f"{file} is not a DeepSpeed model state checkpoint")
+    buffers = {k: v.float() if v.is_floating_point() else v for k, v in sd["module"].items() if k in sd[c.BUFFER_NAMES]}
+    return zero_model_state(
+        buffers=buffers, param_shapes=sd[c.PARAM_SHAPES], shared_params=[[k, v] for k, v in sd["shared_params"].items()],
+        ds_version=sd.get(c.DS_VERSION), frozen_param_shapes=sd.get(c.FROZEN_PARAM_SHAPES),
+        frozen_param_fragments=sd.get(c.FROZEN_PARAM_FRAGMENTS),
+    )
+
+
+def _optim_states(files: list[str], path: str, tag: str) -> tuple:
+    """``zero_to_fp32.parse_optim_states``, read with the allowlist: ``(stage, data-parallel size,
+    fp32 partitions per rank, alignment paddings)``."""
+    from deepspeed.checkpoint import constants as c
+
+    states = []
+    for f in files:
+        sd = load_checkpoint_file(f, mmap=True)[c.OPTIMIZER_STATE_DICT]
+        sd.pop(c.OPTIMIZER_STATE_DICT, None)  # Adam's moments: not needed for the weights
+        states.append(sd)
+    if not states or c.ZERO_STAGE not in states[0]:
+        raise ValueError(f"checkpoint {path}, tensor-parallel rank {tag}: no ZeRO optimizer states")
+    stage, world = int(states[0][c.ZERO_STAGE]), states[0][c.PARTITION_COUNT]
+    world = max(world) if isinstance(world, list) else world
+    if world != len(files):
+        raise ValueError(f"checkpoint {path}, tensor-parallel rank {tag}: Expected {world} of "
+                         f"'*_optim_states.pt' but found {len(files)} files")
+    key = c.SINGLE_PARTITION_OF_FP32_GROUPS if stage <= 2 else c.FP32_FLAT_GROUPS
+    return stage, world, [sd[key] for sd in states], states[0].get(c.PARAM_ALIGNMENT_PADDINGS)
 
 
 def merge_tensor_parallel(shards: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:

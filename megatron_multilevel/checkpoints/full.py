@@ -20,6 +20,7 @@ META = "checkpoint.json"
 FORMATS = ("safetensors", "torch")
 FILES = {"safetensors": "model.safetensors", "torch": "model.pt"}
 KIND = "megatron-multilevel-full"
+TOKENIZER_FILE, TOKENIZER_DIR = "tokenizer.model", "tokenizer"  # a SentencePiece model, or Hugging Face files
 
 
 def checksum(t: torch.Tensor) -> str:
@@ -42,8 +43,11 @@ def prepare_output(path: str, overwrite: bool, *sources: str) -> str:
 
 def save_full(path: str, tensors: dict[str, torch.Tensor], model: ModelConfig, *, level: int = 0,
               level_maps: Optional[list[str]] = None, source: Optional[dict] = None, fmt: str = "safetensors",
-              extra: Optional[dict] = None) -> None:
-    """Write a consolidated checkpoint into the directory ``path`` (written whole, then renamed)."""
+              extra: Optional[dict] = None, tokenizer: Optional[str] = None) -> None:
+    """Write a consolidated checkpoint into the directory ``path`` (written whole, then renamed).
+
+    ``tokenizer`` (a SentencePiece model file or a Hugging Face tokenizer directory) is copied in,
+    so that the checkpoint carries the tokenizer its token ids belong to."""
     if fmt not in FORMATS:
         raise ValueError(f"invalid format {fmt!r}; valid choices are {list(FORMATS)}")
     tmp = path.rstrip("/") + ".tmp"
@@ -56,8 +60,15 @@ def save_full(path: str, tensors: dict[str, torch.Tensor], model: ModelConfig, *
         save_file(tensors, os.path.join(tmp, FILES[fmt]))
     else:
         torch.save(tensors, os.path.join(tmp, FILES[fmt]))
+    if tokenizer is not None and os.path.isdir(tokenizer):  # only its tokenizer files, not a model beside them
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).save_pretrained(os.path.join(tmp, TOKENIZER_DIR))
+    elif tokenizer is not None:
+        shutil.copy(tokenizer, os.path.join(tmp, TOKENIZER_FILE))
     meta = {
         "kind": KIND, "version": 1, "format": fmt, "model": dataclasses.asdict(model), "level": level,
+        "tokenizer": None if tokenizer is None else TOKENIZER_DIR if os.path.isdir(tokenizer) else TOKENIZER_FILE,
         "level_maps": level_maps or [], "source": source or {},
         "parameters": sum(v.numel() for v in tensors.values()),
         "checksums": {k: checksum(v) for k, v in tensors.items()},

@@ -48,13 +48,18 @@ def _exclusive(lock_path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def corpus_root(cache_dir: str, vocab_size: int) -> Path:
+    """Where the embedded corpus of a vocabulary size is prepared (its ``tokenizer.model`` and datasets)."""
+    version = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(cache_dir) / f"stdlib-{version}-c{CORPUS_VERSION}-v{vocab_size}-t{TRAINING_VERSION}"
+
+
 def default_corpus(cache_dir: str, *, vocab_size: int, kind: str) -> tuple[str, str]:
     """``(dataset prefix, tokenizer model)`` of the embedded corpus, preparing it on first use.
 
     Safe to call from several processes at once: one prepares, the others wait for it.
     """
-    version = f"py{sys.version_info.major}{sys.version_info.minor}"
-    root = Path(cache_dir) / f"stdlib-{version}-c{CORPUS_VERSION}-v{vocab_size}-t{TRAINING_VERSION}"
+    root = corpus_root(cache_dir, vocab_size)
     tokenizer_model = root / "tokenizer.model"
     prefix = root / ("gpt_document" if kind == "gpt" else "bert_sentence")
     with _exclusive(root.with_suffix(".lock")):

@@ -1,43 +1,90 @@
 """Training and validation data through Megatron-Core's dataset classes.
 
 GPT: ``GPTDataset`` (causal LM); BERT: ``BERTMaskedWordPieceDataset`` (masked LM), both built by
-``BlendedMegatronDatasetBuilder`` from one indexed dataset with a held-out validation split.
+``BlendedMegatronDatasetBuilder`` from one indexed dataset (``data.prefix``), or a weighted blend
+of several (``data.blend``: each split by ``data.split`` on its own, then mixed in proportion to
+the weights by Megatron's ``BlendedDataset``), with a held-out validation split.
 Batches are addressed by global step, so a resumed run reads exactly the samples an
 uninterrupted run would have read, whatever the data-parallel size of each level.
 """
 
+import json
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy
 import torch
 
 from megatron_multilevel.config import RunConfig
-from megatron_multilevel.data.tokenizer import SentencePieceTokenizer
+from megatron_multilevel.data.preprocess import META_SUFFIX
+from megatron_multilevel.data.tokenizer import load_tokenizer
 
 
 @dataclass
 class Data:
     train: object
     valid: object
-    tokenizer: SentencePieceTokenizer
+    tokenizer: object  # SentencePieceTokenizer or HuggingFaceTokenizer
 
 
-def resolve_data_paths(cfg: RunConfig) -> tuple[str, str]:
-    """``(prefix, tokenizer model)``: the configured dataset, or the embedded corpus (prepared
-    once per cache directory). Raises ``ValueError`` for missing or corrupt files."""
+@dataclass
+class DataSources:
+    """The datasets of a run and their tokenizer."""
+
+    prefixes: list[str]
+    weights: Optional[list[float]]  # None: one dataset
+    tokenizer: str
+
+
+def resolve_data(cfg: RunConfig) -> DataSources:
+    """The configured dataset or blend, or the embedded corpus (prepared once per cache
+    directory). Raises ``ValueError`` naming a missing file."""
     from megatron_multilevel.data.corpus import default_corpus
 
-    if cfg.data.prefix is None:
-        return default_corpus(cfg.data.cache_dir, vocab_size=cfg.model.vocab_size, kind=cfg.model.kind)
-    prefix, model = cfg.data.prefix, cfg.data.tokenizer_model
-    for path in (prefix + ".bin", prefix + ".idx", model):
-        if not os.path.isfile(path):
-            raise ValueError(f"data: {path!r} does not exist; prepare data with tools/preprocess_data.py")
-    return prefix, model
+    if cfg.data.prefix is None and cfg.data.blend is None:
+        prefix, model = default_corpus(cfg.data.cache_dir, vocab_size=cfg.model.vocab_size, kind=cfg.model.kind)
+        return DataSources([prefix], None, model)
+    pairs = cfg.data.blend_pairs() or [(1.0, cfg.data.prefix)]
+    key = "data.blend" if cfg.data.blend is not None else "data.prefix"
+    for _, prefix in pairs:
+        for path in (prefix + ".bin", prefix + ".idx"):
+            if not os.path.isfile(path):
+                raise ValueError(f"{key}: {path!r} does not exist (dataset {prefix!r}); prepare data with "
+                                 f"tools/preprocess_data.py")
+    if not os.path.exists(cfg.data.tokenizer_model):
+        raise ValueError(f"data.tokenizer_model: {cfg.data.tokenizer_model!r} does not exist")
+    weights = [w for w, _ in pairs] if cfg.data.blend is not None else None
+    return DataSources([p for _, p in pairs], weights, cfg.data.tokenizer_model)
 
 
-def check_dataset(prefix: str, tokenizer: SentencePieceTokenizer, vocab_size: int) -> None:
+def dataset_tokenizer(prefix: str) -> Optional[dict]:
+    """What ``PREFIX.meta.json`` says of the tokenizer a dataset was made with (None: not recorded)."""
+    path = prefix + META_SUFFIX
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("tokenizer")
+
+
+def check_tokenizers(prefixes: list[str], tokenizer) -> None:
+    """Every dataset that records its tokenizer was made with ``tokenizer`` (the same fingerprint)."""
+    recorded = {p: dataset_tokenizer(p) for p in prefixes}
+    recorded = {p: t for p, t in recorded.items() if t}
+    fingerprints = {t["fingerprint"] for t in recorded.values()}
+    if len(fingerprints) > 1:
+        listing = "; ".join(f"{p!r} with {t['path']!r} ({t['fingerprint']})" for p, t in recorded.items())
+        raise ValueError(f"data.blend mixes datasets made with different tokenizers: {listing}. "
+                         f"Tokenize every blended dataset with the same tokenizer")
+    for prefix, t in recorded.items():
+        if t["fingerprint"] != tokenizer.fingerprint:
+            raise ValueError(
+                f"data: dataset {prefix!r} was made with the tokenizer {t['path']!r} ({t['fingerprint']}), but "
+                f"data.tokenizer_model is {tokenizer.unique_identifiers['tokenizer_path'][0]!r} "
+                f"({tokenizer.fingerprint}); set data.tokenizer_model to the dataset's tokenizer")
+
+
+def check_dataset(prefix: str, tokenizer, vocab_size: int) -> None:
     """Open the indexed dataset once, turning a corrupt file into a clear error.
 
     The index is read alone first and the ``.bin`` size checked against it: ``IndexedDataset``
@@ -68,24 +115,29 @@ def build_data(cfg: RunConfig, *, train_samples: int, valid_samples: int) -> Dat
 
     The training samples follow ``training.seed``; the validation samples follow
     ``data.valid_seed`` alone, so every run on the same data is scored on the same samples."""
-    prefix, model = resolve_data_paths(cfg)
-    tokenizer = SentencePieceTokenizer(model)
-    check_dataset(prefix, tokenizer, cfg.model.vocab_size)
+    sources = resolve_data(cfg)
+    tokenizer = load_tokenizer(sources.tokenizer)
+    check_tokenizers(sources.prefixes, tokenizer)
+    for prefix in sources.prefixes:
+        check_dataset(prefix, tokenizer, cfg.model.vocab_size)
+    if cfg.model.kind == "bert":
+        _ = tokenizer.cls, tokenizer.sep, tokenizer.mask  # a clear error now rather than in Megatron's builder
     # Megatron builds every split of non-zero share, and BERT's sample mapping needs a number of
     # samples for each: the split a call does not use gets one sample.
-    train = _build_split(cfg, prefix, tokenizer, seed=cfg.training.seed, sizes=[train_samples, 1, 1])
-    valid = _build_split(cfg, prefix, tokenizer, seed=cfg.data.valid_seed, sizes=[1, valid_samples, 1])
+    train = _build_split(cfg, sources, tokenizer, seed=cfg.training.seed, sizes=[train_samples, 1, 1])
+    valid = _build_split(cfg, sources, tokenizer, seed=cfg.data.valid_seed, sizes=[1, valid_samples, 1])
     return Data(train[0], valid[1], tokenizer)
 
 
-def _build_split(cfg: RunConfig, prefix: str, tokenizer, *, seed: int, sizes: list):
-    """The splits of ``sizes`` (None: not built) through Megatron's dataset builder, shuffled by ``seed``."""
+def _build_split(cfg: RunConfig, sources: DataSources, tokenizer, *, seed: int, sizes: list):
+    """The splits of ``sizes`` (None: not built) through Megatron's dataset builder, shuffled by ``seed``
+    (a blend: ``BlendedDataset``s over every dataset's own split, in proportion to the weights)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
     common = dict(
         random_seed=seed,
         sequence_length=cfg.data.seq_length,
-        blend=([prefix], None),
+        blend=(sources.prefixes, sources.weights),
         split=cfg.data.split,
         path_to_cache=os.path.join(cfg.data.cache_dir, "index"),
         tokenizer=tokenizer,

@@ -1,7 +1,9 @@
-"""Raw text or JSONL -> SentencePiece tokenizer -> Megatron indexed dataset (``.bin``/``.idx``).
+"""Raw text or JSONL -> tokenizer -> Megatron indexed dataset (``.bin``/``.idx``).
 
 The way Megatron users prepare data (``tools/preprocess_data.py`` is the command line); the files
-are written with ``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder``.
+are written with ``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder``. The tokenizer is
+a SentencePiece model trained on the input, an existing one, or a Hugging Face tokenizer directory;
+``PREFIX.meta.json`` records which (its fingerprint), so that a run refuses data made with another.
 """
 
 import json
@@ -11,7 +13,9 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy
 
-from megatron_multilevel.data.tokenizer import SentencePieceTokenizer, sentences_of, train_sentencepiece
+from megatron_multilevel.data.tokenizer import load_tokenizer, sentences_of, train_sentencepiece
+
+META_SUFFIX = ".meta.json"  # PREFIX.meta.json: the tokenizer a dataset was made with, and its counts
 
 
 def read_documents(paths: Sequence["str | os.PathLike"], *, json_key: str = "text") -> Iterator[str]:
@@ -42,7 +46,7 @@ def _dtype(vocab_size: int):
 
 def write_indexed_dataset(
     documents: Iterable[str],
-    tokenizer: SentencePieceTokenizer,
+    tokenizer,
     prefix: str,
     *,
     split_sentences: bool = False,
@@ -101,15 +105,25 @@ def prepare(
     split_sentences: bool = False,
     json_key: str = "text",
 ) -> dict:
-    """Train (or load) a tokenizer and write the indexed dataset; returns counts and paths."""
+    """Train (or load) a tokenizer and write the indexed dataset; returns counts and paths.
+
+    ``tokenizer_model``: a SentencePiece model file or a Hugging Face tokenizer directory (None:
+    train a SentencePiece model on the inputs, ``PREFIX.model``)."""
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    if os.path.exists(prefix + META_SUFFIX):  # it would describe the files being replaced
+        os.remove(prefix + META_SUFFIX)
     if tokenizer_model is None:
         tokenizer_model = prefix + ".model"
         tmp = f"{tokenizer_model}.tmp{os.getpid()}"
         train_sentencepiece(sentences_of(read_documents(inputs, json_key=json_key)), tmp, vocab_size=vocab_size)
         os.replace(tmp, tokenizer_model)
-    tokenizer = SentencePieceTokenizer(tokenizer_model)
+    tokenizer = load_tokenizer(tokenizer_model)
     stats = write_indexed_dataset(
         read_documents(inputs, json_key=json_key), tokenizer, prefix, split_sentences=split_sentences
     )
+    record = {"tokenizer": {"path": os.path.abspath(tokenizer_model), "kind": type(tokenizer).__name__,
+                            "fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size},
+              **stats, "split_sentences": split_sentences}
+    with open(prefix + META_SUFFIX, "w") as f:
+        json.dump(record, f, indent=1)
     return {**stats, "prefix": prefix, "tokenizer_model": tokenizer_model, "vocab_size": tokenizer.vocab_size}

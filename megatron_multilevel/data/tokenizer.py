@@ -1,19 +1,23 @@
-"""A SentencePiece tokenizer with the interface Megatron-Core's datasets expect.
+"""Tokenizers with the interface Megatron-Core's datasets expect: SentencePiece, or Hugging Face.
 
 Megatron-Core 0.16's GPT and BERT datasets take a ``MegatronLegacyTokenizer`` (vocabulary,
-``eod``, ``cls``/``sep``/``mask``/``pad`` ids and ``unique_identifiers`` for the index cache);
-SentencePiece does the tokenising and the training. (Megatron's newer ``megatron.core.tokenizers``
-SentencePiece wrapper raises on ``cls``/``sep``/``mask`` outside its legacy mode, and the masked-LM
-dataset needs all three.)
+``eod``, ``cls``/``sep``/``mask``/``pad`` ids and ``unique_identifiers`` for the index cache).
+A SentencePiece model file is the tokenizer this project trains (``train_sentencepiece``); a Hugging
+Face tokenizer directory (``tokenizer.json`` or GPT-2's ``vocab.json``/``merges.txt``) is one that
+came with a model, e.g. GPT-2's, so that an imported model continues on its own tokenizer.
+(Megatron's newer ``megatron.core.tokenizers`` SentencePiece wrapper raises on ``cls``/``sep``/``mask``
+outside its legacy mode, and the masked-LM dataset needs all three.)
 """
 
+import hashlib
 import io
 import logging
+import os
 from typing import Iterable, Iterator
 
 import numpy
 import sentencepiece as spm
-from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+from megatron_multilevel.compat import TokenizerBase as MegatronLegacyTokenizer
 
 # Fixed ids of the special pieces, the same in every tokenizer this project trains.
 UNK, BOS, EOS, PAD = 0, 1, 2, 3
@@ -65,6 +69,11 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
                 f"train it with tools/preprocess_data.py"
             )
 
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 (first 16 hex digits) of the model: equal for the same tokenizer wherever it lies."""
+        return hashlib.sha256(self._sp.serialized_model_proto()).hexdigest()[:16]
+
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text)
 
@@ -105,6 +114,107 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
     @property
     def mask(self) -> int:
         return self._vocab["<mask>"]
+
+
+class HuggingFaceTokenizer(MegatronLegacyTokenizer):
+    """Tokenizer for Megatron-Core datasets, backed by a Hugging Face tokenizer directory (offline).
+
+    Text is tokenized without added special tokens; ``eod`` is the tokenizer's end-of-sequence
+    token (GPT-2's ``<|endoftext|>``), ``pad`` its padding token or else ``eod``."""
+
+    def __init__(self, path: str):
+        logging.getLogger("megatron.core.datasets.megatron_tokenizer").setLevel(logging.ERROR)
+        super().__init__(path)
+        try:
+            from transformers import AutoTokenizer
+            from transformers.utils import logging as hf_logging
+        except ImportError:
+            raise ValueError(f"tokenizer {path!r} is a Hugging Face tokenizer; reading it needs transformers: "
+                             f"pip install 'megatron-multilevel[hf]'") from None
+        hf_logging.set_verbosity_error()
+        try:
+            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"tokenizer {path!r} is not a readable Hugging Face tokenizer directory ({e})") from None
+        if self._tok.eos_token_id is None:
+            raise ValueError(f"tokenizer {path!r} has no end-of-sequence token (eos_token), the end-of-document "
+                             f"token of GPT datasets")
+        self._vocab = dict(self._tok.get_vocab())
+        self._inv_vocab = {i: p for p, i in self._vocab.items()}
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 (first 16 hex digits) of the vocabulary and merges (the backend's serialized form)."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        text = backend.to_str() if backend is not None else repr(sorted(self._vocab.items(), key=lambda kv: kv[1]))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok(text, add_special_tokens=False)["input_ids"]
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+    def detokenize(self, ids: "numpy.ndarray | list[int]") -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+    @property
+    def vocab(self) -> dict:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> dict:
+        return self._inv_vocab
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    @property
+    def eod(self) -> int:
+        return self._tok.eos_token_id
+
+    @property
+    def pad(self) -> int:
+        return self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eod
+
+    def _special(self, name: str) -> int:
+        token_id = getattr(self._tok, f"{name}_token_id")
+        if token_id is None:
+            raise ValueError(f"tokenizer {self.unique_identifiers['tokenizer_path'][0]!r} has no {name} token; "
+                             f"BERT (masked LM) data needs cls, sep and mask tokens")
+        return token_id
+
+    @property
+    def cls(self) -> int:
+        return self._special("cls")
+
+    @property
+    def sep(self) -> int:
+        return self._special("sep")
+
+    @property
+    def mask(self) -> int:
+        return self._special("mask")
+
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
+
+
+def load_tokenizer(path: str) -> "SentencePieceTokenizer | HuggingFaceTokenizer":
+    """A SentencePiece model file, or a Hugging Face tokenizer directory."""
+    if os.path.isdir(path):
+        if not any(os.path.isfile(os.path.join(path, f)) for f in HF_TOKENIZER_FILES):
+            raise ValueError(f"tokenizer {path!r} is a directory without Hugging Face tokenizer files "
+                             f"({', '.join(HF_TOKENIZER_FILES)}); give a SentencePiece model or a tokenizer directory")
+        return HuggingFaceTokenizer(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"tokenizer {path!r} does not exist; give a SentencePiece model file or a Hugging Face "
+                         f"tokenizer directory")
+    try:
+        return SentencePieceTokenizer(path)
+    except (RuntimeError, OSError) as e:  # sentencepiece's parse error
+        raise ValueError(f"tokenizer {path!r} is not a SentencePiece model ({e})") from None
 
 
 def sentences_of(documents: Iterable[str], *, max_chars: int = 4096) -> Iterator[str]:

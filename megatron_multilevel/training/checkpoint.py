@@ -140,7 +140,13 @@ def state_of(sidecar: dict) -> RunState:
 
 
 def load(engine, run_dir: str, tag: str, *, module_only: bool = False, restore_rng: bool = True) -> None:
-    """Load checkpoint ``tag`` into ``engine`` (collective)."""
+    """Load checkpoint ``tag`` into ``engine`` (collective).
+
+    Trusted files only: DeepSpeed's ``load_checkpoint`` and the RNG states below unpickle with
+    ``weights_only=False``, which can run code a file names. A run resumes from the checkpoints it
+    wrote itself, or that ``tools/convert_checkpoint.py reshard`` / ``init-run`` wrote after reading
+    their source with the allowlist of ``checkpoints.safe_load``; a checkpoint from elsewhere goes
+    through those tools, never straight to a run."""
     ckpt = checkpoint_dir(run_dir)
     path, _ = engine.load_checkpoint(
         ckpt, tag=tag, load_module_only=module_only, load_optimizer_states=not module_only,
@@ -150,7 +156,7 @@ def load(engine, run_dir: str, tag: str, *, module_only: bool = False, restore_r
         raise ValueError(f"checkpoint {os.path.join(ckpt, tag)} could not be loaded (missing shards?)")
     rng = os.path.join(ckpt, tag, f"rng_rank{dist.get_rank()}.pt")
     if restore_rng and os.path.exists(rng):
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _set_rng_state(torch.load(rng, weights_only=False))  # the run's own file (numpy RNG state inside)
 
 
 def rotate(run_dir: str, state: RunState, keep: int) -> None:

@@ -1,0 +1,78 @@
+"""Start a run from given weights (e.g. a model imported with ``from-hf``).
+
+The weights are written as the run's first checkpoint (phase 0, step 0: the fine model, a fresh
+optimizer, the schedule at its start) in the layout the config asks for, with the sidecar the
+trainer writes; launching the config then resumes from it, so the V-cycle (or the baseline) starts
+from these weights instead of a random initialisation. Like every conversion, the checkpoint is
+loaded the way the trainer loads it and its logits compared with the source's before success.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+
+from megatron_multilevel.checkpoints import verify
+from megatron_multilevel.checkpoints.full import prepare_output
+from megatron_multilevel.config import config_to_dict, load_config
+
+
+def _level_maps(cfg) -> list[str]:
+    """The groupings the trainer makes for a fresh run (``Trainer._level_maps`` without a sidecar)."""
+    from megatron_multilevel.level_maps import make_level_map
+
+    ml = cfg.multilevel
+    if not ml.enabled:
+        return []
+    models, tps = cfg.level_models(), cfg.level_tp_sizes()
+    return [make_level_map(models[level], width=ml.coalesce_width, depth=ml.coalesce_depth,
+                           width_pairing=ml.width_pairing, depth_pairing=ml.depth_pairing,
+                           depth_scaling=ml.depth_scaling,
+                           tensor_model_parallel_size=max(tps[level], tps[level + 1])).to_json()
+            for level in range(ml.num_levels - 1)]
+
+
+def init_run(src: str, config_path: str, out: str, *, overwrite: bool = False) -> None:
+    from megatron_multilevel.checkpoints.convert import load_source
+    from megatron_multilevel.checkpoints.reshard import _rank_worker
+    from megatron_multilevel.parallel.spawn import run_ranks
+    from megatron_multilevel.training.checkpoint import RunState
+    from megatron_multilevel.training.schedule import build_phases
+
+    with open(config_path) as f:
+        config = json.load(f)
+    config.setdefault("training", {})["output_dir"] = os.path.abspath(out)
+    cfg = load_config(config)
+    if cfg.multilevel.enabled and cfg.multilevel.strategy != "coalesce":
+        raise ValueError(f"init-run starts runs of multilevel.strategy 'coalesce' or the baseline; "
+                         f"got {cfg.multilevel.strategy!r}")
+    phases = build_phases(cfg)
+    if phases[0].level != 0:
+        raise ValueError(f"the config's first phase trains level {phases[0].level}; init-run starts from the fine "
+                         f"model (level 0), so multilevel.cycle must begin there (not 'f' or 'grow')")
+    source = load_source(src)
+    ours = dataclasses.asdict(cfg.model)
+    theirs = dataclasses.asdict(source.model)
+    if ours != theirs:
+        diff = sorted(k for k in ours if ours[k] != theirs.get(k))
+        raise ValueError(f"the config's model differs from the checkpoint's: "
+                         + ", ".join(f"model.{k} = {ours[k]!r}, the checkpoint has {theirs.get(k)!r}" for k in diff))
+    prepare_output(out, overwrite, src)
+    meta = {"model": ours, "level_maps": _level_maps(cfg), "config": config_to_dict(cfg),
+            "config_phases": [{"level": p.level, "steps": p.steps} for p in phases]}
+    item = {"tensors": source.tensors, "state": dataclasses.asdict(RunState()), "meta": meta, "latest": True,
+            "path": os.path.abspath(src)}
+    tokens = verify.fixed_tokens(source.model)
+    tp = cfg.level_tp_sizes()[0]
+    os.makedirs(out, exist_ok=True)
+    logits = run_ranks(_rank_worker, tp, config_to_dict(cfg), os.path.abspath(out), [item], tokens,
+                       tensor_model_parallel_size=tp)[0]
+    ok = verify.compare([("source", f"the run's first checkpoint, loaded as the trainer does (TP={tp})",
+                          verify.logits_full(source.tensors, source.model, tokens), logits)])
+    if not ok:
+        shutil.rmtree(out, ignore_errors=True)
+        raise RuntimeError("verification failed: the run's first checkpoint computes other logits than the source")
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config_to_dict(cfg), f, indent=1)
+    print(f"wrote {out}: phase 0, step 0 holds the source's weights; train with\n"
+          f"  launch/pretrain_vcycle.sh {os.path.join(out, 'config.json')}" + (f" --num_gpus {tp}" if tp > 1 else ""))
