@@ -52,16 +52,37 @@ def train_sentencepiece(sentences: Iterable[str], model_path: str, *, vocab_size
         f.write(model.getvalue())
 
 
-class SentencePieceTokenizer(MegatronLegacyTokenizer):
+class _Tokenizer(MegatronLegacyTokenizer):
+    """What Megatron-Core's datasets read of a tokenizer, from ``_vocab`` (piece -> id), which
+    each subclass builds."""
+
+    def __init__(self, path: str):
+        # The base class logs a deprecation notice on every construction.
+        logging.getLogger("megatron.core.datasets.megatron_tokenizer").setLevel(logging.ERROR)
+        super().__init__(path)
+        self._vocab: dict = {}
+        self._inv_vocab: dict = {}
+
+    def _set_vocab(self, vocab: dict) -> None:
+        self._vocab = vocab
+        self._inv_vocab = {i: p for p, i in vocab.items()}
+
+    @property
+    def vocab(self) -> dict:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> dict:
+        return self._inv_vocab
+
+
+class SentencePieceTokenizer(_Tokenizer):
     """Tokenizer for Megatron-Core datasets, backed by a SentencePiece model file."""
 
     def __init__(self, model_path: str):
-        # The base class logs a deprecation notice on every construction.
-        logging.getLogger("megatron.core.datasets.megatron_tokenizer").setLevel(logging.ERROR)
         super().__init__(model_path)
         self._sp = spm.SentencePieceProcessor(model_file=model_path)
-        self._vocab = {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())}
-        self._inv_vocab = {i: p for p, i in self._vocab.items()}
+        self._set_vocab({self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())})
         missing = [p for p in SPECIAL_PIECES if p not in self._vocab]
         if missing or self._sp.pad_id() < 0 or self._sp.eos_id() < 0:
             raise ValueError(
@@ -82,14 +103,6 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
 
     def detokenize(self, ids: "numpy.ndarray | list[int]") -> str:
         return self._sp.decode([int(i) for i in ids])
-
-    @property
-    def vocab(self) -> dict:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict:
-        return self._inv_vocab
 
     @property
     def vocab_size(self) -> int:
@@ -116,14 +129,13 @@ class SentencePieceTokenizer(MegatronLegacyTokenizer):
         return self._vocab["<mask>"]
 
 
-class HuggingFaceTokenizer(MegatronLegacyTokenizer):
+class HuggingFaceTokenizer(_Tokenizer):
     """Tokenizer for Megatron-Core datasets, backed by a Hugging Face tokenizer directory (offline).
 
     Text is tokenized without added special tokens; ``eod`` is the tokenizer's end-of-sequence
     token (GPT-2's ``<|endoftext|>``), ``pad`` its padding token or else ``eod``."""
 
     def __init__(self, path: str):
-        logging.getLogger("megatron.core.datasets.megatron_tokenizer").setLevel(logging.ERROR)
         super().__init__(path)
         try:
             from transformers import AutoTokenizer
@@ -139,8 +151,7 @@ class HuggingFaceTokenizer(MegatronLegacyTokenizer):
         if self._tok.eos_token_id is None:
             raise ValueError(f"tokenizer {path!r} has no end-of-sequence token (eos_token), the end-of-document "
                              f"token of GPT datasets")
-        self._vocab = dict(self._tok.get_vocab())
-        self._inv_vocab = {i: p for p, i in self._vocab.items()}
+        self._set_vocab(dict(self._tok.get_vocab()))
 
     @property
     def fingerprint(self) -> str:
@@ -157,14 +168,6 @@ class HuggingFaceTokenizer(MegatronLegacyTokenizer):
 
     def detokenize(self, ids: "numpy.ndarray | list[int]") -> str:
         return self._tok.decode([int(i) for i in ids])
-
-    @property
-    def vocab(self) -> dict:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict:
-        return self._inv_vocab
 
     @property
     def vocab_size(self) -> int:
