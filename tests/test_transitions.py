@@ -314,3 +314,22 @@ def test_growing_carries_the_coarse_moments(tmp_path):
         assert all(d < 1e-6 for d in result["diffs"].values()), result["diffs"]
         assert result["steps"] == {2.0}  # Adam's bias correction continues from the coarse steps
         assert result["losses"] == pytest.approx(one[0]["losses"], abs=2e-5)
+
+
+def _mpu_worker(rank, world, tp):
+    from megatron.core import parallel_state as ps
+
+    from megatron_multilevel.distributed import set_tensor_model_parallel_size
+    from megatron_multilevel.parallel.mpu import mpu
+
+    set_tensor_model_parallel_size(tp)
+    return {"dp_ranks": mpu.get_data_parallel_group_ranks(), "dp_size": mpu.get_data_parallel_world_size(),
+            "tp_rank": ps.get_tensor_model_parallel_rank()}
+
+
+def test_mpu_names_the_data_parallel_ranks(tmp_path):
+    """DeepSpeed asks the mpu for the global ranks of this rank's data-parallel group (ZeRO
+    checkpoint utilities): with TP=2 of 4 ranks, ranks 0 and 2 hold shard 0, 1 and 3 shard 1."""
+    results = run_ranks(_mpu_worker, 4, tmp_path, 2)
+    assert [r["dp_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["tp_rank"] for r in results] == [0, 1, 0, 1] and {r["dp_size"] for r in results} == {2}

@@ -36,7 +36,9 @@ class MegatronMPU:
 
     @staticmethod
     def get_data_parallel_group_ranks():
-        return parallel_state.get_data_parallel_global_ranks()
+        import torch.distributed as dist
+
+        return dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
 
 
 mpu = MegatronMPU()
