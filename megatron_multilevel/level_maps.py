@@ -17,7 +17,7 @@ from typing import Literal, Optional
 
 import torch
 
-from megatron_multilevel.config import ModelConfig, check_model_parallel, coarse_model_config
+from megatron_multilevel.config import ModelConfig, RunConfig, check_model_parallel, coarse_model_config
 
 Pairing = Literal["halves", "adjacent"]
 PAIRINGS = ("halves", "adjacent")
@@ -325,6 +325,24 @@ def make_level_map(
     if depth:
         layers = Grouping.make(fine.num_layers, depth_pairing)
     return LevelMap(fine, hidden, query_groups, ffn, layers, depth_scaling)
+
+
+def run_level_maps(cfg: RunConfig) -> list[LevelMap]:
+    """The groupings a run of the coalesce strategy makes when it starts (a resumed run reads them
+    from its checkpoint instead): one level map per coalescing step, made shard-local at the larger
+    of the two levels' tensor-parallel sizes. None for training from scratch or the ODE strategy
+    (its layer selections are in the phases)."""
+    ml = cfg.multilevel
+    if not ml.enabled or ml.strategy == "ode":
+        return []
+    models, tps = cfg.level_models(), cfg.level_tp_sizes()
+    return [
+        make_level_map(models[level], width=ml.coalesce_width, depth=ml.coalesce_depth,
+                       width_pairing=ml.width_pairing, depth_pairing=ml.depth_pairing,
+                       depth_scaling=ml.depth_scaling,
+                       tensor_model_parallel_size=max(tps[level], tps[level + 1]))
+        for level in range(ml.num_levels - 1)
+    ]
 
 
 def make_level_maps(fine: ModelConfig, num_levels: int, **kwargs) -> list[LevelMap]:

@@ -17,27 +17,13 @@ from megatron_multilevel.checkpoints.full import prepare_output
 from megatron_multilevel.config import config_to_dict, load_config
 
 
-def _level_maps(cfg) -> list[str]:
-    """The groupings the trainer makes for a fresh run (``Trainer._level_maps`` without a sidecar)."""
-    from megatron_multilevel.level_maps import make_level_map
-
-    ml = cfg.multilevel
-    if not ml.enabled:
-        return []
-    models, tps = cfg.level_models(), cfg.level_tp_sizes()
-    return [make_level_map(models[level], width=ml.coalesce_width, depth=ml.coalesce_depth,
-                           width_pairing=ml.width_pairing, depth_pairing=ml.depth_pairing,
-                           depth_scaling=ml.depth_scaling,
-                           tensor_model_parallel_size=max(tps[level], tps[level + 1])).to_json()
-            for level in range(ml.num_levels - 1)]
-
-
 def init_run(src: str, config_path: str, out: str, *, overwrite: bool = False) -> None:
     from megatron_multilevel.checkpoints.convert import load_source
+    from megatron_multilevel.level_maps import run_level_maps
     from megatron_multilevel.checkpoints.reshard import _rank_worker
     from megatron_multilevel.parallel.spawn import run_ranks
     from megatron_multilevel.training.checkpoint import RunState
-    from megatron_multilevel.training.schedule import build_phases
+    from megatron_multilevel.training.schedule import build_phases, schedule_signature
 
     with open(config_path) as f:
         config = json.load(f)
@@ -58,8 +44,8 @@ def init_run(src: str, config_path: str, out: str, *, overwrite: bool = False) -
         raise ValueError(f"the config's model differs from the checkpoint's: "
                          + ", ".join(f"model.{k} = {ours[k]!r}, the checkpoint has {theirs.get(k)!r}" for k in diff))
     prepare_output(out, overwrite, src)
-    meta = {"model": ours, "level_maps": _level_maps(cfg), "config": config_to_dict(cfg),
-            "config_phases": [{"level": p.level, "steps": p.steps} for p in phases]}
+    meta = {"model": ours, "level_maps": [m.to_json() for m in run_level_maps(cfg)], "config": config_to_dict(cfg),
+            "config_phases": schedule_signature(phases)}
     item = {"tensors": source.tensors, "state": dataclasses.asdict(RunState()), "meta": meta, "latest": True,
             "path": os.path.abspath(src)}
     tokens = verify.fixed_tokens(source.model)

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_multilevel.config import ModelConfig, check_alpha, check_model_parallel
+from megatron_multilevel.config import ZERO_STAGES, ModelConfig, check_alpha, check_model_parallel
 from megatron_multilevel.level_maps import LevelMap
 from megatron_multilevel.operators import (
     coalesce_layers,
@@ -34,7 +34,6 @@ from megatron_multilevel.operators import (
 from megatron_multilevel.parallel.streams import Groups, ModelReader, ModelWriter, Snapshot, Storage
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def baseline_config(cfg: RunConfig) -> RunConfig:
     """The baseline of the multilevel run ``cfg``: multilevel disabled; the fine level's
     tensor-parallel size, DeepSpeed overrides and (first) learning-rate schedule; as many steps as
     spend the run's training FLOPs; ``training.output_dir`` ``<run>/baseline``."""
-    from megatron_multilevel.training.engines import deep_merge
+    from megatron_multilevel.config import deep_merge
 
     if not cfg.multilevel.enabled:
         raise ValueError("--with-baseline compares a multilevel run with training from scratch, and "

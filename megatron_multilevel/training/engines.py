@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from megatron_multilevel.config import ModelConfig, RunConfig, deep_merge, optimizer_state_keys  # noqa: F401
+from megatron_multilevel.config import ModelConfig, RunConfig, optimizer_state_keys
 from megatron_multilevel.parallel.transition import Layout
 
 ADAM_TYPES = ("adam", "adamw")

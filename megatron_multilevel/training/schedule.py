@@ -129,3 +129,10 @@ def lr_factor(step: int, total: int, lr: LRConfig) -> float:
     else:
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
     return lr.min_ratio + (1.0 - lr.min_ratio) * shape
+
+
+def schedule_signature(phases: list[Phase]) -> list[dict]:
+    """What a resumed run's schedule must match, as checkpoints record it: level and steps of
+    every phase (and the ODE coarse parity)."""
+    return [{"level": p.level, "steps": p.steps, **({} if p.parity is None else {"parity": p.parity})}
+            for p in phases]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_multilevel.config import RunConfig, config_to_dict
 from megatron_multilevel.data.datasets import Batch, build_data, micro_batches, sample_indices
-from megatron_multilevel.level_maps import LevelMap, make_level_map
+from megatron_multilevel.level_maps import LevelMap, run_level_maps
 from megatron_multilevel.models import language_model_loss
 from megatron_multilevel.parallel.transition import coarsen, load_moments, prolong, snapshot_level
 from megatron_multilevel.training import checkpoint
@@ -29,7 +29,7 @@ from megatron_multilevel.training.engines import LevelEngines
 from megatron_multilevel.training.flops import flops_per_token
 from megatron_multilevel.training.metrics import Metrics
 from megatron_multilevel.training.ode_cycle import OdeCycle
-from megatron_multilevel.training.schedule import Phase, build_phases, lr_factor
+from megatron_multilevel.training.schedule import Phase, build_phases, lr_factor, schedule_signature
 
 
 class TrainingError(RuntimeError):
@@ -66,17 +66,7 @@ class Trainer:
     def _level_maps(self, sidecar: "dict | None") -> list[LevelMap]:
         if sidecar is not None:
             return [LevelMap.from_json(text) for text in sidecar["level_maps"]]
-        ml = self.cfg.multilevel
-        if not ml.enabled or ml.strategy == "ode":  # the ODE strategy's selections are in the phases
-            return []
-        return [
-            make_level_map(
-                self.levels.models[level], width=ml.coalesce_width, depth=ml.coalesce_depth,
-                width_pairing=ml.width_pairing, depth_pairing=ml.depth_pairing, depth_scaling=ml.depth_scaling,
-                tensor_model_parallel_size=max(self.levels.tp_sizes[level], self.levels.tp_sizes[level + 1]),
-            )
-            for level in range(ml.num_levels - 1)
-        ]
+        return run_level_maps(self.cfg)
 
     def _meta(self) -> dict:
         return {"model": asdict(self.cfg.model), "level_maps": [m.to_json() for m in self.level_maps],
@@ -211,8 +201,7 @@ class Trainer:
 
     def _config_phases(self) -> list[dict]:
         """The schedule a resume must follow: level and steps of every phase (and the ODE coarse parity)."""
-        return [{"level": p.level, "steps": p.steps, **({} if p.parity is None else {"parity": p.parity})}
-                for p in self.phases]
+        return schedule_signature(self.phases)
 
     def _save(self) -> None:
         t0 = time.perf_counter()
