@@ -75,9 +75,17 @@ for point in "${points[@]}"; do
   # seed by seed, every method at every fraction: a study stopped early has whole seeds
   for ((s = 0; s < ${SEEDS[$point]:-2}; s++)); do
     for recipe in "${RECIPES[@]}"; do  # each line adds its method; the last report shows them all
-      # shellcheck disable=SC2086
-      (cd "$work" && "$python_bin" tools/benchmark_savings.py ${POINTS[$point]} $recipe \
-          --seed $((1234 + s)) --results "$root/benchmarks/$point" --out "$root/runs/study/$point")
+      # a run that fails (a port taken at its rendezvous by another job on the machine) is tried
+      # again, twice: the benchmark runs only what is missing and resumes from the last checkpoint
+      for attempt in 1 2 3; do
+        # shellcheck disable=SC2086
+        if (cd "$work" && "$python_bin" tools/benchmark_savings.py ${POINTS[$point]} $recipe \
+            --seed $((1234 + s)) --results "$root/benchmarks/$point" --out "$root/runs/study/$point"); then
+          break
+        fi
+        [[ $attempt -lt 3 ]] || { echo "run_study.sh: $point, seed $((1234 + s)): failed 3 times" >&2; exit 1; }
+        echo "run_study.sh: $point, seed $((1234 + s)): failed, trying again ($((attempt + 1))/3)"
+      done
     done
   done
 done

@@ -68,8 +68,21 @@ if ! "$python_bin" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available(
   if [[ $procs_given -eq 0 ]]; then launcher+=(--num_gpus 1); fi
 fi
 if [[ $multi_node -eq 0 && $port_given -eq 0 ]]; then
-  # One node: a free port, so that several runs on one machine do not collide on 29500.
-  launcher+=(--master_port "$("$python_bin" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')")
+  # One node: a free port, so that several runs on one machine do not collide on 29500. Drawn below
+  # the kernel's ephemeral range (32768 and up): a port from that range can be taken, between this
+  # check and the rendezvous, by any outgoing connection of another run (gloo opens many).
+  launcher+=(--master_port "$("$python_bin" -c '
+import random, socket
+for port in random.sample(range(20000, 32768), 200):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+    print(port)
+    break
+else:
+    raise SystemExit("pretrain_vcycle.sh: no free port in 20000-32767; pass --master_port")')")
 fi
 # DeepSpeed compiles small ops at run time; keep them in one place so that every run pays once.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extensions}"
