@@ -610,10 +610,7 @@ class RunConfig:
                 "set by training.lr and multilevel.levels[*].lr_before / lr_after"
             )
         for level, (cfg, tp) in enumerate(zip(self.level_models(), self.level_tp_sizes())):
-            try:
-                check_model_parallel(cfg, tp)
-            except ValueError as e:
-                raise ValueError(f"level {level}: {e}") from None
+            self._check_level_parallel(level, cfg, tp)
 
     def _check_ode(self) -> None:
         ode = self.multilevel.ode
@@ -719,13 +716,42 @@ class RunConfig:
                 )
 
     def _tp_key(self, level: int) -> str:
-        """The key that sets ``level``'s tensor-parallel size."""
+        """The key that sets ``level``'s tensor-parallel size (as a ``dotted.key=value`` override
+        writes it)."""
         ml = self.multilevel
         if ml.enabled and ml.strategy == "ode" and level == 1 and ml.ode.coarse_tensor_model_parallel_size:
             return "multilevel.ode.coarse_tensor_model_parallel_size"
         if ml.enabled and ml.strategy == "coalesce" and ml.levels[level].tensor_model_parallel_size:
-            return f"multilevel.levels[{level}].tensor_model_parallel_size"
+            return f"multilevel.levels.{level}.tensor_model_parallel_size"
         return "parallel.tensor_model_parallel_size"
+
+    def _own_tp_key(self, level: int) -> str:
+        """The key that gives ``level`` a tensor-parallel size of its own."""
+        ml = self.multilevel
+        if level == 0 or not ml.enabled:
+            return self._tp_key(0)
+        if ml.strategy == "ode":
+            return "multilevel.ode.coarse_tensor_model_parallel_size"
+        return f"multilevel.levels.{level}.tensor_model_parallel_size"
+
+    def _check_level_parallel(self, level: int, model: ModelConfig, tp: int) -> None:
+        """Raise ``ValueError`` if ``level`` (model ``model``) cannot be split over ``tp`` ranks,
+        naming the key to change and the sizes that would work.
+
+        A coarse level has half the heads and FFN units of the level above it, so a size that
+        splits the fine model may not split it; such a level then needs its own size, even where
+        it inherits the size that is right for the fine model."""
+        undivided = undivided_size(model, tp)
+        if undivided is None:
+            return
+        key, own = self._tp_key(level), self._own_tp_key(level)
+        name = undivided.split(" = ")[0]
+        sizes = f"model.{undivided}" if level == 0 else (
+            f"{undivided} at this level (model.{name} = {getattr(self.model, name)} at level 0)")
+        setting = f"{key} = {tp}" if key == own else f"tensor_model_parallel_size = {tp} (from {key})"
+        raise ValueError(
+            f"level {level}: {setting} does not divide {sizes}; set {own} to one of {valid_tp_sizes(model)}"
+        )
 
 
 # The optimizer state the ODE strategy keeps or maps, by DeepSpeed optimizer type (lower case).
@@ -741,12 +767,21 @@ TP_SPLIT_SIZES = ("num_attention_heads", "num_query_groups", "ffn_hidden_size", 
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-def check_model_parallel(model: ModelConfig, tp: int, *, key: str = "parallel.tensor_model_parallel_size") -> None:
-    """Raise if ``model`` cannot be split over ``tp`` tensor-parallel ranks; ``key`` names the setting."""
+def undivided_size(model: ModelConfig, tp: int) -> Optional[str]:
+    """The first size of ``model`` that ``tp`` tensor-parallel ranks cannot split, as
+    ``"name = value"``; None if they can split them all."""
     for name in TP_SPLIT_SIZES:
         value = getattr(model, name)
         if value % tp:
-            raise ValueError(f"{key} = {tp} does not divide model.{name} = {value}")
+            return f"{name} = {value}"
+    return None
+
+
+def check_model_parallel(model: ModelConfig, tp: int, *, key: str = "parallel.tensor_model_parallel_size") -> None:
+    """Raise if ``model`` cannot be split over ``tp`` tensor-parallel ranks; ``key`` names the setting."""
+    undivided = undivided_size(model, tp)
+    if undivided is not None:
+        raise ValueError(f"{key} = {tp} does not divide model.{undivided}")
 
 
 def valid_tp_sizes(model: ModelConfig) -> list[int]:

@@ -11,13 +11,14 @@ must use the grouping coalescing used, so a level map is saved beside every chec
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal, Optional
 
 import torch
 
-from megatron_multilevel.config import ModelConfig, RunConfig, check_model_parallel, coarse_model_config
+from megatron_multilevel.config import ModelConfig, RunConfig, coarse_model_config, undivided_size, valid_tp_sizes
 
 Pairing = Literal["halves", "adjacent"]
 PAIRINGS = ("halves", "adjacent")
@@ -297,6 +298,19 @@ def hidden_block_size(cfg: ModelConfig) -> int:
     return cfg.kv_channels if cfg.hidden_size % (2 * cfg.kv_channels) == 0 else 1
 
 
+def grouping_shards(fine_tp: int, coarse_tp: int) -> int:
+    """How many contiguous shards a step's width groupings keep partners inside.
+
+    With the same TP size at both levels, that size: partners lie in one rank's shard, so every
+    rank coalesces and de-coalesces its own shards with no communication (the fast path). A step
+    that changes the TP size gathers, projects and reshards anyway, so its groupings need only be
+    local to shards that both levels hold whole: the greatest common divisor of the two sizes.
+    It always fits, since ``Grouping.make`` needs the coarse head and FFN counts divisible by the
+    shard count, and the gcd divides the coarse level's own TP size, which divides them.
+    """
+    return math.gcd(fine_tp, coarse_tp)
+
+
 def make_level_map(
     fine: ModelConfig,
     *,
@@ -306,22 +320,30 @@ def make_level_map(
     depth_pairing: Pairing = "adjacent",
     depth_scaling: Literal["none", "ode"] = "none",
     tensor_model_parallel_size: int = 1,
+    coarse_tensor_model_parallel_size: Optional[int] = None,
 ) -> LevelMap:
-    """The level map of one coalescing step of ``fine``.
+    """The level map of one coalescing step of ``fine``, run at ``tensor_model_parallel_size``,
+    into a coarse level run at ``coarse_tensor_model_parallel_size`` (None: the same).
 
-    Width groupings pair units inside each tensor-parallel shard, so that with the same TP size
-    at the coarse level every rank coalesces and de-coalesces its own shards.
+    Width groupings pair units inside each of ``grouping_shards(fine TP, coarse TP)`` shards.
     """
     coarse = coarse_model_config(fine, width=width, depth=depth)
-    tp = tensor_model_parallel_size
-    check_model_parallel(fine, tp)
-    if width:
-        check_model_parallel(coarse, tp)
+    fine_tp = tensor_model_parallel_size
+    coarse_tp = fine_tp if coarse_tensor_model_parallel_size is None else coarse_tensor_model_parallel_size
+    for what, cfg, tp, key in (("fine", fine, fine_tp, "tensor_model_parallel_size"),
+                               ("coarse", coarse, coarse_tp, "coarse_tensor_model_parallel_size")):
+        undivided = undivided_size(cfg, tp)
+        if undivided is not None:
+            raise ValueError(
+                f"{what} level: tensor_model_parallel_size = {tp} does not divide its {undivided}; "
+                f"set {key} to one of {valid_tp_sizes(cfg)}"
+            )
+    shards = grouping_shards(fine_tp, coarse_tp)
     hidden = query_groups = ffn = layers = None
     if width:
         hidden = Grouping.make(fine.hidden_size, width_pairing, block=hidden_block_size(fine))
-        query_groups = Grouping.make(fine.num_query_groups, width_pairing, shards=tp)
-        ffn = Grouping.make(fine.ffn_hidden_size, width_pairing, shards=tp)
+        query_groups = Grouping.make(fine.num_query_groups, width_pairing, shards=shards)
+        ffn = Grouping.make(fine.ffn_hidden_size, width_pairing, shards=shards)
     if depth:
         layers = Grouping.make(fine.num_layers, depth_pairing)
     return LevelMap(fine, hidden, query_groups, ffn, layers, depth_scaling)
@@ -329,9 +351,9 @@ def make_level_map(
 
 def run_level_maps(cfg: RunConfig) -> list[LevelMap]:
     """The groupings a run of the coalesce strategy makes when it starts (a resumed run reads them
-    from its checkpoint instead): one level map per coalescing step, made shard-local at the larger
-    of the two levels' tensor-parallel sizes. None for training from scratch or the ODE strategy
-    (its layer selections are in the phases)."""
+    from its checkpoint instead): one level map per coalescing step, for the two levels' own
+    tensor-parallel sizes. None for training from scratch or the ODE strategy (its layer
+    selections are in the phases)."""
     ml = cfg.multilevel
     if not ml.enabled or ml.strategy == "ode":
         return []
@@ -339,8 +361,8 @@ def run_level_maps(cfg: RunConfig) -> list[LevelMap]:
     return [
         make_level_map(models[level], width=ml.coalesce_width, depth=ml.coalesce_depth,
                        width_pairing=ml.width_pairing, depth_pairing=ml.depth_pairing,
-                       depth_scaling=ml.depth_scaling,
-                       tensor_model_parallel_size=max(tps[level], tps[level + 1]))
+                       depth_scaling=ml.depth_scaling, tensor_model_parallel_size=tps[level],
+                       coarse_tensor_model_parallel_size=tps[level + 1])
         for level in range(ml.num_levels - 1)
     ]
 

@@ -1,10 +1,11 @@
 import json
+import re
 
 import pytest
 import torch
 
 from megatron_multilevel.config import ModelConfig
-from megatron_multilevel.level_maps import Grouping, LevelMap, make_level_map, make_level_maps
+from megatron_multilevel.level_maps import Grouping, LevelMap, grouping_shards, make_level_map, make_level_maps
 
 
 def test_halves_and_adjacent():
@@ -124,8 +125,33 @@ def test_unhalvable_shapes(kw, key):
 
 
 def test_tp_size_must_divide_heads_at_both_levels():
-    with pytest.raises(ValueError, match="tensor_model_parallel_size = 3"):
+    with pytest.raises(ValueError, match="^fine level: tensor_model_parallel_size = 3"):
         make_level_map(_cfg(), tensor_model_parallel_size=3)
     # 4 heads split over 4 ranks, but the coarse level's 2 heads cannot be.
-    with pytest.raises(ValueError, match="tensor_model_parallel_size = 4"):
+    with pytest.raises(ValueError, match=re.escape(
+            "coarse level: tensor_model_parallel_size = 4 does not divide its num_attention_heads = 2; "
+            "set coarse_tensor_model_parallel_size to one of [1, 2]")):
         make_level_map(_cfg(), tensor_model_parallel_size=4)
+
+
+def _shard_of(unit: int, num_units: int, tp: int) -> int:
+    return unit // (num_units // tp)
+
+
+def test_a_tp_change_pairs_inside_the_shards_both_levels_share():
+    """GPT-Base: 12 heads at TP=4, its coarse level's 6 heads at TP=2."""
+    gpt_base = ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12)
+    assert grouping_shards(4, 4) == 4 and grouping_shards(4, 2) == 2 and grouping_shards(1, 2) == 1
+    lm = make_level_map(gpt_base, tensor_model_parallel_size=4, coarse_tensor_model_parallel_size=2)
+    assert lm.coarse.num_attention_heads == 6
+    assert lm.query_groups == Grouping.make(12, "halves", shards=2)
+    for grouping in (lm.query_groups, lm.ffn):
+        n = grouping.num_fine
+        # the two fine units of a coarse unit lie in the coarse unit's TP=2 shard ...
+        assert all(_shard_of(j, n, 2) == _shard_of(i, n // 2, 2) for j, i in enumerate(grouping.assignment))
+        # ... and not in one TP=4 shard: the step gathers, projects and reshards
+        assert not all(_shard_of(j, n, 4) == _shard_of(i, n // 2, 4) for j, i in enumerate(grouping.assignment))
+    assert lm.shard(0, 2) is not None and lm.shard(0, 4) is None
+    # the same TP size at both levels keeps each rank's own shards
+    same = make_level_map(_cfg(num_attention_heads=8), tensor_model_parallel_size=4)
+    assert all(same.shard(r, 4) is not None for r in range(4))

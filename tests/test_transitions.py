@@ -25,6 +25,8 @@ def _model_config(variant, kind="gpt"):
         kw.update(position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
                   add_bias_linear=False, num_attention_heads=8, num_query_groups=4,
                   share_embeddings_and_output_weights=False)
+    if variant == "wide":  # 8 heads: its coarse level's 4 heads still split over TP=4
+        kw.update(num_attention_heads=8)
     return ModelConfig(kind=kind, **kw)
 
 
@@ -153,8 +155,10 @@ def _case(case):
     cfg = _model_config(case["variant"])
     fine_layout = Layout(case["fine_tp"], case["fine_stage"])
     coarse_layout = Layout(case["coarse_tp"], case["coarse_stage"])
-    # The same groupings in every case (shard-local for TP=2), so that all cases train the same model.
-    lm = make_level_map(cfg, tensor_model_parallel_size=2)
+    # The same groupings in every case of a variant (by default shard-local for TP=2), so that
+    # all its cases train the same model as the one-process reference made with them.
+    fine_tp, coarse_tp = case.get("groupings", (2, 2))
+    lm = make_level_map(cfg, tensor_model_parallel_size=fine_tp, coarse_tensor_model_parallel_size=coarse_tp)
     set_tensor_model_parallel_size(fine_layout.tensor_model_parallel_size)
     set_seed(7)
     fine = _engine(build_model(cfg), fine_layout.zero_stage)
@@ -204,10 +208,10 @@ def _worker(rank, world, cases):
     return [_case(case) for case in cases]
 
 
-def _cases(variant, layouts, map_moments=True, keep="memory", keep_dir=None):
+def _cases(variant, layouts, map_moments=True, keep="memory", keep_dir=None, groupings=(2, 2)):
     return [
         dict(variant=variant, fine_tp=a, fine_stage=b, coarse_tp=c, coarse_stage=d,
-             map_moments=map_moments, keep=keep, keep_dir=keep_dir)
+             map_moments=map_moments, keep=keep, keep_dir=keep_dir, groupings=groupings)
         for a, b, c, d in layouts
     ]
 

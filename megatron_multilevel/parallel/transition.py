@@ -10,7 +10,10 @@ new engine with :func:`load_moments`.
 
 Fast path: same tensor-parallel size at both levels, groupings local to each shard, no ZeRO-3:
 every rank maps its own shards and nothing is communicated. Otherwise parameters are gathered,
-projected and resharded one layer at a time.
+projected and resharded one layer at a time. A step that changes the TP size always takes this
+general path: its groupings are local to the shards both levels share
+(``level_maps.grouping_shards``), not to either level's own, and the operators see only full
+tensors.
 """
 
 import zlib
@@ -20,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_multilevel.config import ZERO_STAGES, ModelConfig, check_alpha, check_model_parallel
+from megatron_multilevel.config import ZERO_STAGES, ModelConfig, check_alpha, undivided_size, valid_tp_sizes
 from megatron_multilevel.level_maps import LevelMap
 from megatron_multilevel.operators import (
     coalesce_layers,
@@ -52,10 +55,12 @@ class Layout:
             raise ValueError(
                 f"{what}: tensor_model_parallel_size = {tp} does not divide the world size {world_size}"
             )
-        try:
-            check_model_parallel(cfg, tp)
-        except ValueError as e:
-            raise ValueError(f"{what}: {e}") from None
+        undivided = undivided_size(cfg, tp)
+        if undivided is not None:
+            raise ValueError(
+                f"{what}: tensor_model_parallel_size = {tp} does not divide model.{undivided}; "
+                f"valid values are {valid_tp_sizes(cfg)}"
+            )
 
 
 def uses_fast_path(level_map: LevelMap, fine: Layout, coarse: Layout) -> bool:
