@@ -574,6 +574,10 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = 1
     """Megatron tensor-parallel size."""
+    sequence_parallel: Optional[bool] = None
+    """Megatron's sequence parallelism at every level whose TP size is above 1 (the activations
+    outside the tensor-parallel regions split along the sequence: their memory falls by the TP
+    size): null turns it on where CUDA is available, true wherever TP > 1, false nowhere."""
 
     def __post_init__(self):
         _check_positive("parallel.tensor_model_parallel_size", self.tensor_model_parallel_size)
@@ -611,6 +615,7 @@ class RunConfig:
             )
         for level, (cfg, tp) in enumerate(zip(self.level_models(), self.level_tp_sizes())):
             self._check_level_parallel(level, cfg, tp)
+        self._check_sequence_parallel()
 
     def _check_ode(self) -> None:
         ode = self.multilevel.ode
@@ -693,6 +698,28 @@ class RunConfig:
         if self.multilevel.strategy == "ode":
             return [default, self.multilevel.ode.coarse_tensor_model_parallel_size or default]
         return [lv.tensor_model_parallel_size or default for lv in self.multilevel.levels]
+
+    def level_sequence_parallel(self) -> list[bool]:
+        """Whether every level runs sequence-parallel (``parallel.sequence_parallel`` resolved at its TP size)."""
+        from megatron_multilevel.parallel.sequence_parallel import resolve_sequence_parallel
+
+        setting, kind = self.parallel.sequence_parallel, self.model.kind
+        return [resolve_sequence_parallel(setting, tp, kind) for tp in self.level_tp_sizes()]
+
+    def _check_sequence_parallel(self) -> None:
+        from megatron_multilevel.parallel.sequence_parallel import check_sequence_parallel_supported
+
+        for level, (tp, on) in enumerate(zip(self.level_tp_sizes(), self.level_sequence_parallel())):
+            if not on:
+                continue
+            check_sequence_parallel_supported(self.model.kind)
+            if self.data.seq_length % tp:
+                raise ValueError(
+                    f"level {level}: parallel.sequence_parallel splits each sequence over the "
+                    f"{tp} tensor-parallel ranks, and data.seq_length = {self.data.seq_length} is not "
+                    f"divisible by {tp}; set data.seq_length to a multiple of {tp}, or "
+                    f"parallel.sequence_parallel to false (valid choices are [null, true, false])"
+                )
 
     def level_deepspeed(self, level: int) -> dict:
         """The DeepSpeed keys of ``level``: the file's, with the level's overrides deep-merged."""

@@ -42,9 +42,12 @@ def use_transformer_engine(cfg: ModelConfig) -> bool:
 def transformer_config(
     cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32, perform_initialization: bool = True
 ):
-    """Megatron's ``TransformerConfig`` for ``cfg`` on the current parallel layout."""
+    """Megatron's ``TransformerConfig`` for ``cfg`` on the current parallel layout (its TP size,
+    and sequence parallelism as ``parallel.sequence_parallel`` resolves at that size)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_multilevel.parallel.sequence_parallel import sequence_parallel_active
 
     on_gpu = torch.cuda.is_available()
     return TransformerConfig(
@@ -63,6 +66,7 @@ def transformer_config(
         layernorm_epsilon=cfg.layernorm_epsilon,
         init_method_std=cfg.init_method_std,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        sequence_parallel=sequence_parallel_active(cfg.kind),
         params_dtype=params_dtype,
         perform_initialization=perform_initialization,
         bf16=params_dtype == torch.bfloat16,
@@ -86,10 +90,17 @@ def build_model(
     """A Megatron-Core GPT or BERT model (pre- and post-process on this rank, no pipeline).
 
     ``perform_initialization=False`` skips the random init, for a model whose parameters are
-    all about to be overwritten (a level built by a transition)."""
+    all about to be overwritten (a level built by a transition).
+
+    Under sequence parallelism, the parameters Megatron marks ``sequence_parallel`` get the hook
+    that sums their gradients over the tensor-parallel group (``parallel/sequence_parallel.py``)."""
+    from megatron_multilevel.parallel.sequence_parallel import register_sequence_parallel_grad_hooks
+
     model = _build(cfg, params_dtype, perform_initialization)
     if not perform_initialization:
         _set_tensor_parallel_attributes(model, cfg)
+    if model.config.sequence_parallel:
+        register_sequence_parallel_grad_hooks(model)
     return model
 
 
@@ -109,8 +120,15 @@ def _set_tensor_parallel_attributes(model: torch.nn.Module, cfg: ModelConfig) ->
 
 
 def _build(cfg: ModelConfig, params_dtype: torch.dtype, perform_initialization: bool) -> torch.nn.Module:
+    from megatron_multilevel.parallel.sequence_parallel import (
+        check_sequence_parallel_supported,
+        local_spec_with_sequence_parallel_norms,
+    )
+
     apply_cpu_shims()
     config = transformer_config(cfg, params_dtype=params_dtype, perform_initialization=perform_initialization)
+    if config.sequence_parallel:
+        check_sequence_parallel_supported(cfg.kind)
     te = use_transformer_engine(cfg)
     if cfg.kind == "gpt":
         from megatron.core.models.gpt import GPTModel
@@ -124,6 +142,9 @@ def _build(cfg: ModelConfig, params_dtype: torch.dtype, perform_initialization: 
             if te
             else get_gpt_layer_local_spec(normalization=cfg.normalization)
         )
+        if config.sequence_parallel and not te:
+            # Megatron's torch norm (the local spec's without Apex) rejects sequence parallelism.
+            spec = local_spec_with_sequence_parallel_norms(spec, cfg.num_layers)
         return GPTModel(
             config=config,
             transformer_layer_spec=spec,

@@ -56,7 +56,7 @@ ACCEPTED = {
         "eval_batches", "eval_interval", "keep_checkpoints", "log_interval", "lr", "output_dir",
         "save_interval", "seed", "train_steps",
     ],
-    ParallelConfig: ["tensor_model_parallel_size"],
+    ParallelConfig: ["sequence_parallel", "tensor_model_parallel_size"],
 }
 
 

@@ -18,7 +18,11 @@ class LevelEngines:
     """Builds the DeepSpeed config, layout and engine of any level of a run."""
 
     def __init__(self, cfg: RunConfig, world_size: int):
+        from megatron_multilevel.parallel.sequence_parallel import set_sequence_parallel
+
         self.cfg = cfg
+        # Every model built from now on, transitions included, resolves it at its level's TP size.
+        set_sequence_parallel(cfg.parallel.sequence_parallel)
         self.world_size = world_size
         self.models = cfg.level_models()
         self.tp_sizes = cfg.level_tp_sizes()
