@@ -21,6 +21,9 @@ if ! "$python_bin" -c "import megatron.core, deepspeed, sentencepiece" 2>/dev/nu
     DS_BUILD_OPS=0 .venv-gpu/bin/python -m pip install -q -e ".[test]"
   fi
   python_bin=.venv-gpu/bin/python
+  # its own environment, its own cache of DeepSpeed's compiled ops: a cache names ops, not the
+  # Python or torch they were built for, so another environment's would be loaded and fail
+  export TORCH_EXTENSIONS_DIR="$PWD/.cache/torch_extensions-gpu"
 fi
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"
 export PYTHONUNBUFFERED=1
