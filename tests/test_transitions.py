@@ -20,6 +20,8 @@ ALPHA = 0.25
 def _model_config(variant, kind="gpt"):
     from megatron_multilevel.config import ModelConfig
 
+    variant, slabs = variant.removesuffix("-slabs"), variant.endswith("-slabs")
+
     kw = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=96, max_sequence_length=SEQ)
     if variant == "llama":
         kw.update(position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
@@ -27,6 +29,8 @@ def _model_config(variant, kind="gpt"):
                   share_embeddings_and_output_weights=False)
     if variant == "wide":  # 8 heads: its coarse level's 4 heads still split over TP=4
         kw.update(num_attention_heads=8)
+    if slabs:  # slabs of 24 vocabulary rows (ffn_hidden_size); [250, 64] outsizes every layer tensor
+        kw.update(vocab_size=250, ffn_hidden_size=24)
     return ModelConfig(kind=kind, **kw)
 
 
@@ -115,26 +119,39 @@ def _max_diff(a, b):
 
 
 class _CountCollectives:
-    """Counts the collectives called inside the block (to check the fast path sends nothing)."""
+    """Counts the collectives called inside the block (to check the fast path sends nothing), and
+    records the largest tensor each kind moved."""
 
     NAMES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce_scatter_tensor")
 
     def __init__(self):
         self.count = 0
+        self.largest = {}
 
     def __enter__(self):
         import torch.distributed as dist
 
         self.saved = {n: getattr(dist, n) for n in self.NAMES}
 
-        def wrap(fn):
+        def wrap(name, fn):
             def counted(*args, **kwargs):
                 self.count += 1
+                tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else [a])
+                           if isinstance(t, torch.Tensor)]
+                # Not DeepSpeed's broadcast of each new parameter (as bytes) as zero.Init builds the
+                # target model: that is the build, not the stream.
+                numel = max((t.numel() for t in tensors if t.dtype != torch.uint8), default=0)
+                self.largest[name] = max(self.largest.get(name, 0), numel)
                 return fn(*args, **kwargs)
             return counted
 
         for n, fn in self.saved.items():
-            setattr(dist, n, wrap(fn))
+            setattr(dist, n, wrap(n, fn))
+        # DeepSpeed's backend keeps its own reference to the all-gather (ZeRO-3's gathers).
+        self.backend = self._deepspeed_backend()
+        if self.backend is not None:
+            self.backend_gather = self.backend.all_gather_function
+            self.backend.all_gather_function = wrap("deepspeed all_gather", self.backend_gather)
         return self
 
     def __exit__(self, *exc):
@@ -142,6 +159,15 @@ class _CountCollectives:
 
         for n, fn in self.saved.items():
             setattr(dist, n, fn)
+        if self.backend is not None:
+            self.backend.all_gather_function = self.backend_gather
+
+    @staticmethod
+    def _deepspeed_backend():
+        from deepspeed.comm import comm
+
+        backend = getattr(comm, "cdb", None)
+        return backend if getattr(backend, "all_gather_function", None) is not None else None
 
 
 def _case(case):
@@ -189,7 +215,7 @@ def _case(case):
             ds_config=_ds_config(fine_layout.zero_stage, 1), optimizer=coarse.optimizer,
             map_moments=case["map_moments"],
         )
-    out["collectives"] = counter.count
+    out["collectives"], out["largest"] = counter.count, counter.largest
     del coarse
     fine = _engine(staged.model, fine_layout.zero_stage)
     load_moments(fine, staged)
@@ -276,6 +302,32 @@ def test_four_ranks(reference, tmp_path):
     cases = _cases("gpt", FOUR_RANKS) + _cases("llama", [(2, 1, 2, 1)])
     results = run_ranks(_worker, 4, tmp_path, cases)
     _check(results, cases, reference)
+
+
+def test_vocabulary_moves_in_slabs(tmp_path):
+    """The word embedding (tied, GPT) and the untied output layer (Llama) move in slabs of 24
+    vocabulary rows: 250 rows are 10 slabs and a partial one; the DP=2 ZeRO-3 partitions and the
+    TP=2 shards split them at row 125, inside a slab, and slab boundaries fall inside partitions.
+    Coarsening, prolonging and the moments equal the full-tensor operators bit for bit, and no
+    collective of a transition moves a whole ``[vocab, hidden]`` matrix, or a broadcast more than a
+    slab."""
+    from megatron_multilevel.parallel.streams import vocab_slab_rows
+
+    cfg = _model_config("gpt-slabs")
+    assert vocab_slab_rows(cfg) == 24 and cfg.vocab_size % 24 and (cfg.vocab_size // 2) % 24
+    cases = _cases("gpt-slabs", [(1, 3, 1, 3), (2, 3, 2, 3), (2, 0, 2, 0)])
+    cases += _cases("llama-slabs", [(1, 3, 1, 3)], keep="disk", keep_dir=str(tmp_path / "keep"))
+    cases += _cases("llama-slabs", [(2, 3, 1, 3), (1, 2, 1, 2)])
+    results = run_ranks(_worker, 2, tmp_path, cases)
+    embedding, slab = cfg.vocab_size * cfg.hidden_size, vocab_slab_rows(cfg) * cfg.hidden_size
+    for case, result in zip(cases, results[0]):
+        assert all(d == 0.0 for d in result["diffs"].values()), (case, result["diffs"])
+        largest = result["largest"]
+        assert all(n < embedding for n in largest.values()), (case, largest)
+        assert largest.get("broadcast", 0) <= slab, (case, largest)
+    for per_rank in zip(*results):
+        assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), [r["losses"] for r in per_rank]
+    assert results[0][2]["collectives"] == 0  # the fast path still communicates nothing
 
 
 def _grow_worker(rank, world, layouts):

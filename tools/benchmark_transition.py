@@ -4,18 +4,23 @@ Run (spawns its own ranks; on a GPU node use the same command):
 
     python tools/benchmark_transition.py                 # 2 ranks, both paths
     python tools/benchmark_transition.py --layers 4      # a smaller model, quicker
+    python tools/benchmark_transition.py --paths streaming --vocab 50304 256000
 
 For each path it prints, per rank: the coarsen and prolong times, the peak memory the transition
-added (the new level's model included), and the floors a user compares with: a plain clone of the
-rank's own parameters (memory bandwidth), the rank's share of the model, one layer in full, and
-the word embedding in full.
+added (the new level's model included), its transient part (the peak beyond what the transition
+leaves behind: the new model and the fine snapshot), in MiB and in full fine layers, and the
+floors a user compares with: a plain clone of the rank's own parameters (memory bandwidth), the
+rank's share of the model, one layer in full, and the word embedding in full.
 
 - fast path: TP=2 at both levels, shard-local groupings, ZeRO-0: each rank maps its own shards.
-- streaming: DP=2 with ZeRO-3: parameters gathered, projected and re-partitioned layer by layer.
+- streaming: DP=2 with ZeRO-3: parameters gathered, projected and re-partitioned layer by layer,
+  the word embedding and output layer slab by slab of vocabulary rows.
+- tp-change (``--paths tp-change``): TP=2 to TP=1 under ZeRO-1, groupings for both TP sizes.
 """
 
 import argparse
 import ctypes
+import gc
 import os
 import sys
 import time
@@ -34,7 +39,9 @@ def rss_bytes(field: str = "VmRSS") -> int:
 
 
 def reset_peak() -> int:
-    """Return freed heap to the OS and reset the peak-RSS counter; returns the current RSS."""
+    """Free unreachable objects (the previous repeat's engines hold reference cycles), return freed
+    heap to the OS and reset the peak-RSS counter; returns the current RSS."""
+    gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
@@ -71,7 +78,9 @@ def run_path(name, cfg, fine_layout, coarse_layout, repeats):
     }
     set_tensor_model_parallel_size(fine_layout.tensor_model_parallel_size)
     set_seed(0)
-    lm = make_level_map(cfg, tensor_model_parallel_size=fine_layout.tensor_model_parallel_size)
+    # The groupings a run makes for these two layouts (``level_maps.run_level_maps``).
+    lm = make_level_map(cfg, tensor_model_parallel_size=fine_layout.tensor_model_parallel_size,
+                        coarse_tensor_model_parallel_size=coarse_layout.tensor_model_parallel_size)
     if fine_layout.zero_stage == 3:
         with deepspeed.zero.Init(data_parallel_group=ps.get_data_parallel_group(), config_dict_or_path=ds_config, mpu=mpu):
             model = build_model(cfg)
@@ -117,8 +126,12 @@ def run_path(name, cfg, fine_layout, coarse_layout, repeats):
         fine = prolong(coarse_model, before, lm, 0.5, coarse_layout=coarse_layout, fine_layout=fine_layout, ds_config=ds_config)
         t_prolong = time.perf_counter() - t0
         peak_prolong = rss_bytes("VmHWM") - base
+        # The transient part: the peak beyond what the transition leaves (the new model; coarsening also
+        # the fine snapshot).
+        transient_coarsen = peak_coarsen - tensor_bytes(coarse_model) - before.params.local_bytes()
+        transient_prolong = peak_prolong - tensor_bytes(fine.model)
         rows.append((t_coarsen, t_prolong, peak_coarsen, peak_prolong, tensor_bytes(coarse_model),
-                     before.params.local_bytes(), tensor_bytes(fine.model)))
+                     before.params.local_bytes(), tensor_bytes(fine.model), transient_coarsen, transient_prolong))
         del staged, before, fine, coarse_model
         set_tensor_model_parallel_size(fine_layout.tensor_model_parallel_size)
     layer = sum(p.numel() for n, p in build_layer_shapes(cfg)) * 4
@@ -141,38 +154,50 @@ def build_layer_shapes(cfg):
     return [(n, torch.empty(s, device="meta")) for n, s in shapes.items()]
 
 
+PATHS = {
+    "fast": ("fast path (TP=2, ZeRO-0)", (2, 0), (2, 0)),
+    "streaming": ("streaming (DP=2, ZeRO-3)", (1, 3), (1, 3)),
+    "tp-change": ("TP 2 -> 1 (ZeRO-1)", (2, 1), (1, 1)),
+}
+
+
 def worker(rank, world, args):
     from megatron_multilevel.config import ModelConfig
     from megatron_multilevel.parallel.transition import Layout
 
     results = []
-    for vocab in (50304, 512):
+    for vocab in args.vocab:
         # vocab 512 isolates the layer stream: GPT-2's word embedding alone is 5.5 layers.
         cfg = ModelConfig(num_layers=args.layers, hidden_size=768, num_attention_heads=12, vocab_size=vocab,
                           max_sequence_length=1024)
-        results += [
-            run_path(f"fast path (TP=2, ZeRO-0), vocab {vocab}", cfg, Layout(2, 0), Layout(2, 0), args.repeats),
-            run_path(f"streaming (DP=2, ZeRO-3), vocab {vocab}", cfg, Layout(1, 3), Layout(1, 3), args.repeats),
-        ]
+        for path in args.paths:
+            name, fine, coarse = PATHS[path]
+            results.append(run_path(f"{name}, vocab {vocab}", cfg, Layout(*fine), Layout(*coarse), args.repeats))
     return results
 
 
 def report(results_by_rank, args):
     mib = 2**20
     print(f"GPT-Base shape: {args.layers} layers, hidden 768, 12 heads, fp32, 2 ranks (gloo on CPU, NCCL on GPU); "
-          f"best of {args.repeats}; rank 0 (rank 1 alike)")
+          f"best of {args.repeats}; rank 0 (rank 1 alike); transient: the larger of the two ranks")
     print()
     print("| path | coarsen s | prolong s | clone own params s | all-gather own params s | coarsen / clone "
-          "| prolong / clone | peak extra coarsen MiB | peak extra prolong MiB | new coarse model MiB "
-          "| fine snapshot MiB | new fine model MiB | own params MiB | one layer MiB | word embedding MiB |")
-    print("|" + "---|" * 15)
-    for r in results_by_rank[0]:
+          "| prolong / clone | peak extra coarsen MiB | peak extra prolong MiB | transient coarsen MiB (layers) "
+          "| transient prolong MiB (layers) | new coarse model MiB | fine snapshot MiB | new fine model MiB "
+          "| own params MiB | one layer MiB | word embedding MiB |")
+    print("|" + "---|" * 17)
+    for i, r in enumerate(results_by_rank[0]):
         rows = r["rows"]
         tc, tp = min(x[0] for x in rows), min(x[1] for x in rows)
         pc, pp = min(x[2] for x in rows), min(x[3] for x in rows)
+        # Each rank's best repeat, then the worse rank.
+        trc, trp = (max(min(x[k] for x in ranks[i]["rows"]) for ranks in results_by_rank) for k in (7, 8))
+        per_rank = [[min(x[k] for x in ranks[i]["rows"]) / mib for ranks in results_by_rank] for k in (7, 8)]
+        print(f"  transient coarsen / prolong MiB by rank: {per_rank}", file=sys.stderr)
         coarse_b, snap_b, fine_b = rows[0][4], rows[0][5], rows[0][6]
         print(f"| {r['path']} | {tc:.2f} | {tp:.2f} | {r['clone']:.3f} | {r['gather']:.3f} "
               f"| {tc / r['clone']:.1f}x | {tp / r['clone']:.1f}x | {pc / mib:.0f} | {pp / mib:.0f} "
+              f"| {trc / mib:.0f} ({trc / r['layer']:.1f}) | {trp / mib:.0f} ({trp / r['layer']:.1f}) "
               f"| {coarse_b / mib:.0f} | {snap_b / mib:.0f} | {fine_b / mib:.0f} | {r['own'] / mib:.0f} "
               f"| {r['layer'] / mib:.0f} | {r['embedding'] / mib:.0f} |")
 
@@ -181,6 +206,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--vocab", type=int, nargs="+", default=[50304, 512])
+    parser.add_argument("--paths", nargs="+", choices=sorted(PATHS), default=["fast", "streaming"])
     args = parser.parse_args()
     from megatron_multilevel.parallel.spawn import run_ranks
 

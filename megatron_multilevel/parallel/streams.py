@@ -7,6 +7,12 @@ under ZeRO-3 through ``GatheredParameters``), into DeepSpeed's optimizer state, 
 :class:`Snapshot` (flat partitions spread over a process group, kept in memory, on the CPU or on
 disk). No rank ever holds more than its own shards plus the layer being moved.
 
+The word embedding and the output layer (``[vocab, hidden]``) move in *slabs* of vocabulary rows
+(:class:`Rows`, :func:`vocab_slabs`): their rows map independently, and a block of rows of the full
+tensor is a contiguous range of its flat ZeRO partitions, so a rank gathers only that range (each
+owner broadcasts its overlap) and keeps only its own overlap of what it writes. A slab is at most
+one FFN weight matrix, so no vocabulary size makes a transition hold more than the layer stream does.
+
 All methods are collective: every rank of the groups involved calls them in the same order.
 """
 
@@ -20,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_multilevel.config import ModelConfig
 from megatron_multilevel.parallel.tp_layout import partition_dim, shard, unshard
-from megatron_multilevel.plan import layer_prefix, parameter_plan
+from megatron_multilevel.plan import VOCAB, layer_prefix, parameter_plan
 
 StateKey = Optional[Literal["exp_avg", "exp_avg_sq", "momentum_buffer"]]
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -46,6 +52,93 @@ class Groups:
             ps.get_tensor_model_parallel_rank(),
             ps.get_tensor_model_parallel_world_size(),
         )
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows ``[start, stop)`` (dim 0) of a tensor of ``num_rows`` rows."""
+
+    start: int
+    stop: int
+    num_rows: int
+
+
+def vocab_slab_rows(cfg: ModelConfig) -> int:
+    """Vocabulary rows moved at a time: ``ffn_hidden_size`` rows of ``hidden_size``, the size of
+    one FFN weight matrix of ``cfg`` (a third of a GPT layer, the largest tensor the layer stream
+    moves at once)."""
+    return max(1, cfg.ffn_hidden_size)
+
+
+def vocab_slabs(reader, name: str, cfg: ModelConfig, *, whole: bool = False) -> list[Optional[Rows]]:
+    """The blocks that parameter ``name`` (outside the layers, of a model of ``cfg``'s plan) moves
+    in: slabs of :func:`vocab_slab_rows` rows where its dim 0 is the vocabulary, else (or with
+    ``whole``) one block, ``None``, the whole tensor."""
+    if whole or parameter_plan(cfg).model[name].dims[0] != VOCAB:
+        return [None]
+    num_rows, step = reader.num_rows(name), vocab_slab_rows(cfg)
+    return [Rows(start, min(start + step, num_rows), num_rows) for start in range(0, num_rows, step)]
+
+
+def _gather_range(part: torch.Tensor, group, start: int, stop: int, device=None) -> torch.Tensor:
+    """Elements ``[start, stop)`` of a flat tensor kept as equal partitions over ``group`` (rank
+    ``r`` holds ``[r * P, (r + 1) * P)`` in ``part``), on every rank: each rank whose partition
+    overlaps the range broadcasts its piece."""
+    size = part.numel()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    out = torch.empty(stop - start, dtype=part.dtype, device=part.device if device is None else device)
+    for owner in range(start // size, min(world, -(-stop // size))):
+        lo, hi = max(start, owner * size), min(stop, (owner + 1) * size)
+        piece = out[lo - start : hi - start]
+        if owner == rank:
+            piece.copy_(part[lo - owner * size : hi - owner * size])
+        if world > 1:
+            dist.broadcast(piece, group=group, group_src=owner)
+    return out
+
+
+def _write_range(part: torch.Tensor, group, start: int, values: torch.Tensor, numel: int) -> None:
+    """Store this rank's overlap of elements ``[start, start + len(values))`` of a flat tensor of
+    ``numel`` elements in its partition ``part`` (the partitioning of :func:`_gather_range`); the
+    range that ends the tensor also zeroes the padding. Nothing is communicated."""
+    size = part.numel()
+    first = size * dist.get_rank(group)
+    stop = start + values.numel()
+    lo, hi = max(start, first), min(stop, first + size)
+    if lo < hi:
+        part[lo - first : hi - first].copy_(values[lo - start : hi - start])
+    if stop == numel:
+        part[max(0, numel - first) :].zero_()
+
+
+def _fragment_range(p, key: StateKey, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of the flat fp32 master (or moment ``key``) of a ZeRO-1/2 or bf16
+    parameter: each rank adds its fragment's overlap, as DeepSpeed's full gather does."""
+    out = torch.zeros(stop - start, dtype=torch.float32, device=p.device)
+    mapping = p._hp_mapping
+    if mapping is not None:
+        address = mapping.lp_fragment_address
+        lo, hi = max(start, address.start), min(stop, address.start + address.numel)
+        if lo < hi:
+            out[lo - start : hi - start].copy_(mapping.get_hp_fragment(key)[lo - address.start : hi - address.start])
+    dist.all_reduce(out, group=p._dp_group)
+    return out
+
+
+def _write_fragment_range(p, key: StateKey, start: int, values: torch.Tensor) -> None:
+    """Store this rank's fragment's overlap of a range of a ZeRO-1/2 parameter's flat moment."""
+    mapping = p._hp_mapping
+    if mapping is None:
+        return
+    address = mapping.lp_fragment_address
+    lo, hi = max(start, address.start), min(start + values.numel(), address.start + address.numel)
+    if lo < hi:
+        mapping.get_hp_fragment(key)[lo - address.start : hi - address.start].copy_(values[lo - start : hi - start])
+
+
+def _local_shape(p) -> torch.Size:
+    """The shape of this rank's tensor-parallel shard (whole over data-parallel ranks)."""
+    return p.ds_shape if _is_zero3(p) else p.shape
 
 
 def _split_names(names, cfg: ModelConfig) -> tuple[list[str], list[str]]:
@@ -107,15 +200,8 @@ def _write_zero3_partition(p, value: torch.Tensor) -> None:
     whole parameter only to end with the same slices).
     """
     assert getattr(p, "ds_secondary_tensor", None) is None, "hierarchical partitioning is not supported"
-    part = p.ds_tensor
-    size = part.numel()
-    start = size * dist.get_rank(group=p.ds_process_group)
-    flat = value.reshape(-1)
-    count = max(0, min(size, flat.numel() - start))
-    assert size * dist.get_world_size(group=p.ds_process_group) >= flat.numel() == p.ds_numel
-    part.data.zero_()
-    if count:
-        part.data[:count].copy_(flat[start : start + count])
+    assert p.ds_tensor.numel() * dist.get_world_size(group=p.ds_process_group) >= value.numel() == p.ds_numel
+    _write_range(p.ds_tensor.data, p.ds_process_group, 0, value.reshape(-1), p.ds_numel)
 
 
 def _owns_storage(t: torch.Tensor) -> bool:
@@ -125,6 +211,28 @@ def _owns_storage(t: torch.Tensor) -> bool:
 
 def _is_zero3(p) -> bool:
     return hasattr(p, "ds_id")
+
+
+def partitioned_init(**kwargs):
+    """``deepspeed.zero.Init(**kwargs)`` for a target model whose every partition a writer fills.
+
+    Megatron creates each parameter whole (on the CPU left untouched: ``torch.empty``); zero.Init
+    then broadcasts it from rank 0 before keeping each rank's partition, so every other rank writes,
+    and holds for a moment, a whole word embedding. The values are overwritten anyway: this Init
+    partitions without the broadcast.
+    """
+    import deepspeed
+
+    if not hasattr(deepspeed.zero.Init, "_zero_init_param"):
+        # a DeepSpeed whose Init no longer has this step: its own Init (correct, with the broadcast)
+        return deepspeed.zero.Init(**kwargs)
+
+    class _Init(deepspeed.zero.Init):
+        def _zero_init_param(self, param):
+            self._convert_to_deepspeed_param(param)
+            param.partition()
+
+    return _Init(**kwargs)
 
 
 class _ModelStream:
@@ -147,22 +255,82 @@ class ModelReader(_ModelStream):
         super().__init__(module, cfg, groups, **kwargs)
         self.model_names, self.layer_names = _split_names(self.params, cfg)
 
-    def read_model(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        return {name: self._read(name) for name in names}
+    def read_model(self, names: Sequence[str], rows: Optional[Rows] = None) -> dict[str, torch.Tensor]:
+        """The full tensors of ``names`` (or, with ``rows``, those rows of each)."""
+        return {name: self._read(name) if rows is None else self._read_rows(name, rows) for name in names}
 
     def read_layer(self, layer: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
         prefix = layer_prefix(self.cfg, layer)
         return {name: self._read(prefix + name) for name in names}
 
+    def num_rows(self, name: str) -> int:
+        """Rows (dim 0) of the tensor ``read_model`` returns for ``name``."""
+        rows = _local_shape(self.params[name])[0]
+        return rows * self.groups.tp_size if self._tp_split(name) else rows
+
+    def _tp_split(self, name: str) -> bool:
+        """Whether the full tensor of ``name`` is assembled from tensor-parallel shards."""
+        _, rule = self.plan.rule(name)
+        return not self.local and self.groups.tp_size > 1 and partition_dim(rule) is not None
+
     def _read(self, name: str) -> torch.Tensor:
         value = self._local_value(self.params[name])
+        if not self._tp_split(name):
+            return value
         _, rule = self.plan.rule(name)
         g = self.groups
-        if self.local or g.tp_size == 1 or partition_dim(rule) is None:
-            return value
         shards = [torch.empty_like(value) for _ in range(g.tp_size)]
         dist.all_gather(shards, value.contiguous(), group=g.tp_group)
         return unshard(shards, rule)
+
+    def _read_rows(self, name: str, rows: Rows) -> torch.Tensor:
+        """Rows of the full tensor: tensor-parallel rank ``t`` holds full rows ``[t * R, (t + 1) * R)``
+        (vocab-parallel) and broadcasts its overlap with ``rows``."""
+        p = self.params[name]
+        if not self._tp_split(name):
+            return self._local_rows(p, rows.start, rows.stop)
+        _, rule = self.plan.rule(name)
+        assert partition_dim(rule) == 0, f"{name} is split over tensor-parallel ranks on dim {partition_dim(rule)}"
+        g, shape = self.groups, _local_shape(p)
+        local = shape[0]
+        out = torch.empty((rows.stop - rows.start, *shape[1:]), dtype=self._dtype(p), device=p.device)
+        for t in range(rows.start // local, -(-rows.stop // local)):
+            lo, hi = max(rows.start, t * local), min(rows.stop, (t + 1) * local)
+            piece = out[lo - rows.start : hi - rows.start]
+            if t == g.tp_rank:
+                piece.copy_(self._local_rows(p, lo - t * local, hi - t * local))
+            dist.broadcast(piece, group=g.tp_group, group_src=t)
+        return out
+
+    def _dtype(self, p) -> torch.dtype:
+        """The dtype of :meth:`_local_value`: fp32 for moments and where the optimizer keeps fp32
+        masters."""
+        fp32_master = getattr(p, "_z3_optimizer", None) is not None if _is_zero3(p) else hasattr(p, "_hp_mapping")
+        return torch.float32 if self.state_key is not None or fp32_master else p.dtype
+
+    def _local_rows(self, p, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of :meth:`_local_value`, reading no more than those rows."""
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+        shape = _local_shape(p)
+        rows_shape = (stop - start, *shape[1:])
+        width, key = math.prod(shape[1:]), self.state_key
+        if _is_zero3(p):
+            if key is not None:
+                part = safe_get_local_optimizer_state(p, key)
+            elif getattr(p, "_z3_optimizer", None) is not None:
+                part = safe_get_local_fp32_param(p)
+            else:
+                part = p.ds_tensor
+            return _gather_range(part.reshape(-1), p.ds_process_group, start * width, stop * width).view(rows_shape)
+        if hasattr(p, "_hp_mapping") and (key is not None or p.dtype != torch.float32):
+            return _fragment_range(p, key, start * width, stop * width).view(rows_shape)
+        if key is None:
+            return p.detach()[start:stop]
+        value = _inner_torch_optimizer(self.optimizer).state.get(p, {}).get(key)
+        if value is None:
+            return torch.zeros(rows_shape, dtype=torch.float32, device=p.device)
+        return value.detach()[start:stop].float()
 
     def _local_value(self, p) -> torch.Tensor:
         """This rank's tensor-parallel shard, whole over data-parallel ranks, in fp32 where the
@@ -192,12 +360,61 @@ class ModelWriter(_ModelStream):
     the target layout, before ``deepspeed.initialize`` (so that the optimizer starts from them);
     with ``state_key``, into the Adam moments of an initialised engine instead."""
 
-    def write_model(self, values: dict[str, torch.Tensor]) -> None:
-        self._write(values)
+    def write_model(self, values: dict[str, torch.Tensor], rows: Optional[Rows] = None) -> None:
+        """Write full tensors (or, with ``rows``, those rows of each)."""
+        if rows is None:
+            self._write(values)
+            return
+        for name, value in values.items():
+            self._write_rows(name, rows, value)
 
     def write_layer(self, layer: int, values: dict[str, torch.Tensor]) -> None:
         prefix = layer_prefix(self.cfg, layer)
         self._write({prefix + name: t for name, t in values.items()})
+
+    def _write_rows(self, name: str, rows: Rows, value: torch.Tensor) -> None:
+        """Store this rank's overlap of rows of the full tensor: its tensor-parallel shard's rows
+        (vocab-parallel: rank ``t`` holds ``[t * R, (t + 1) * R)``), and under ZeRO-3 only the part
+        of those in its own partition. Nothing is communicated."""
+        assert name in self.params, f"the target model has no parameter {name!r}"
+        p = self.params[name]
+        _, rule = self.plan.rule(name)
+        shape = _local_shape(p)
+        split = not self.local and self.groups.tp_size > 1 and partition_dim(rule) is not None
+        assert not split or partition_dim(rule) == 0, (name, partition_dim(rule))
+        first = shape[0] * self.groups.tp_rank if split else 0
+        expected = (shape[0] * (self.groups.tp_size if split else 1), *shape[1:])
+        assert (rows.num_rows, *value.shape[1:]) == expected and len(value) == rows.stop - rows.start, (
+            name, rows, tuple(value.shape), expected)
+        lo, hi = max(rows.start, first), min(rows.stop, first + shape[0])
+        if lo >= hi:
+            return
+        mine, start = value[lo - rows.start : hi - rows.start], lo - first
+        flat_start = start * math.prod(shape[1:])
+        if self.state_key is not None:
+            self._write_state_rows(p, start, flat_start, mine)
+            return
+        assert not hasattr(p, "_hp_mapping") and getattr(p, "_z3_optimizer", None) is None, (
+            "parameters are written before deepspeed.initialize, so the optimizer starts from them"
+        )
+        with torch.no_grad():
+            if _is_zero3(p):
+                _write_range(p.ds_tensor.data, p.ds_process_group, flat_start, mine.reshape(-1), p.ds_numel)
+            else:
+                p.data[start : start + len(mine)].copy_(mine)
+
+    def _write_state_rows(self, p, start: int, flat_start: int, mine: torch.Tensor) -> None:
+        from deepspeed.utils import safe_get_local_optimizer_state, safe_set_local_optimizer_state
+
+        key = self.state_key
+        if _is_zero3(p):
+            part = safe_get_local_optimizer_state(p, key)
+            _write_range(part, p.ds_process_group, flat_start, mine.reshape(-1).float(), p.ds_numel)
+            safe_set_local_optimizer_state(p, part, key)
+        elif hasattr(p, "_hp_mapping"):
+            _write_fragment_range(p, key, flat_start, mine.reshape(-1).float())
+        else:
+            _inner_torch_optimizer(self.optimizer).state[p][key][start : start + len(mine)].copy_(mine)
 
     def _target(self, name: str, full: torch.Tensor) -> torch.Tensor:
         if self.local:
@@ -260,14 +477,23 @@ class Snapshot:
         self.model_names: list[str] = []
         self.layer_names: list[str] = []
 
-    def write_model(self, values: dict[str, torch.Tensor]) -> None:
-        self._put("model", values, self.model_names)
+    def write_model(self, values: dict[str, torch.Tensor], rows: Optional[Rows] = None) -> None:
+        """Keep full tensors, or rows of them (written in order, from row 0)."""
+        if rows is None:
+            self._put("model", values, self.model_names)
+            return
+        for name, t in values.items():
+            self._put_rows("model", name, rows, t)
 
     def write_layer(self, layer: int, values: dict[str, torch.Tensor]) -> None:
         self._put(f"layer{layer}", values, self.layer_names)
 
-    def read_model(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        return {name: self._get("model", name) for name in names}
+    def read_model(self, names: Sequence[str], rows: Optional[Rows] = None) -> dict[str, torch.Tensor]:
+        return {name: self._get("model", name) if rows is None else self._get_rows("model", name, rows)
+                for name in names}
+
+    def num_rows(self, name: str) -> int:
+        return self._shapes["model", name][0][0]
 
     def read_layer(self, layer: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
         return {name: self._get(f"layer{layer}", name) for name in names}
@@ -284,15 +510,43 @@ class Snapshot:
             part[: mine.numel()].copy_(mine)
             self._shapes[key, name] = (t.shape, t.dtype)
             if self.storage == "disk":
-                os.makedirs(self.directory, exist_ok=True)
-                path = self._path(key, name)
-                torch.save(part, path + ".tmp")
-                os.replace(path + ".tmp", path)
+                self._save(key, name, part)
             else:
                 self._parts[key, name] = part
 
+    def _put_rows(self, key: str, name: str, rows: Rows, t: torch.Tensor) -> None:
+        """Keep rows of a tensor: this rank's overlap of their flat range. On disk, the partition
+        is saved once its last row is in."""
+        shape = torch.Size((rows.num_rows, *t.shape[1:]))
+        if rows.start == 0:
+            if name not in self.model_names:
+                self.model_names.append(name)
+            device = t.device if self.storage == "memory" else torch.device("cpu")
+            self._parts[key, name] = torch.zeros(math.ceil(shape.numel() / self.size), dtype=t.dtype, device=device)
+            self._shapes[key, name] = (shape, t.dtype)
+        assert self._shapes[key, name] == (shape, t.dtype) and (key, name) in self._parts, (key, name, rows)
+        width = math.prod(shape[1:])
+        _write_range(self._parts[key, name], self.group, rows.start * width, t.detach().reshape(-1), shape.numel())
+        if self.storage == "disk" and rows.stop == rows.num_rows:
+            self._save(key, name, self._parts.pop((key, name)))
+
+    def _save(self, key: str, name: str, part: torch.Tensor) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        path = self._path(key, name)
+        torch.save(part, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
     def _path(self, key: str, name: str) -> str:
         return os.path.join(self.directory, f"{key}.{name}.rank{self.rank}.pt")
+
+    def _get_rows(self, key: str, name: str, rows: Rows) -> torch.Tensor:
+        """Rows of a kept tensor, gathering only their flat range (from disk, memory-mapped)."""
+        shape, dtype = self._shapes[key, name]
+        part = torch.load(self._path(key, name), mmap=True) if self.storage == "disk" else self._parts[key, name]
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else part.device
+        width = math.prod(shape[1:])
+        flat = _gather_range(part, self.group, rows.start * width, rows.stop * width, device)
+        return flat.view(rows.stop - rows.start, *shape[1:]).to(dtype)
 
     def _get(self, key: str, name: str) -> torch.Tensor:
         shape, dtype = self._shapes[key, name]
@@ -317,8 +571,12 @@ class TensorsReader:
         self.tensors, self.cfg = tensors, cfg
         self.model_names, self.layer_names = _split_names(tensors, cfg)
 
-    def read_model(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        return {name: self.tensors[name] for name in names}
+    def read_model(self, names: Sequence[str], rows: Optional[Rows] = None) -> dict[str, torch.Tensor]:
+        return {name: self.tensors[name] if rows is None else self.tensors[name][rows.start : rows.stop]
+                for name in names}
+
+    def num_rows(self, name: str) -> int:
+        return self.tensors[name].shape[0]
 
     def read_layer(self, layer: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
         prefix = layer_prefix(self.cfg, layer)

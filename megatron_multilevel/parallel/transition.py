@@ -10,10 +10,12 @@ new engine with :func:`load_moments`.
 
 Fast path: same tensor-parallel size at both levels, groupings local to each shard, no ZeRO-3:
 every rank maps its own shards and nothing is communicated. Otherwise parameters are gathered,
-projected and resharded one layer at a time. A step that changes the TP size always takes this
+projected and resharded one layer at a time, and the word embedding and output layer one slab of
+vocabulary rows at a time (``streams.vocab_slabs``; whole under ``perturbation_std``, whose noise
+is scaled by the whole tensor's deviation). A step that changes the TP size always takes this
 general path: its groupings are local to the shards both levels share
 (``level_maps.grouping_shards``), not to either level's own, and the operators see only full
-tensors.
+tensors (or full rows).
 """
 
 import zlib
@@ -34,7 +36,15 @@ from megatron_multilevel.operators import (
     depth_groups,
     interpolate,
 )
-from megatron_multilevel.parallel.streams import Groups, ModelReader, ModelWriter, Snapshot, Storage
+from megatron_multilevel.parallel.streams import (
+    Groups,
+    ModelReader,
+    ModelWriter,
+    Snapshot,
+    Storage,
+    partitioned_init,
+    vocab_slabs,
+)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -104,15 +114,13 @@ def _build_target(cfg: ModelConfig, layout: Layout, ds_config: Optional[dict]) -
         set_tensor_model_parallel_size(layout.tensor_model_parallel_size)
     if layout.zero_stage < 3:
         return build_model(cfg, perform_initialization=False)
-    import deepspeed
-
     from megatron_multilevel.parallel.mpu import mpu
 
     # Parameters are partitioned as they are created: no rank ever holds the whole model.
     config = dict(ds_config or {})
     config.setdefault("zero_optimization", {})["stage"] = 3
     config.setdefault("train_micro_batch_size_per_gpu", 1)
-    with deepspeed.zero.Init(
+    with partitioned_init(
         data_parallel_group=parallel_state.get_data_parallel_group(), config_dict_or_path=config, mpu=mpu
     ):
         return build_model(cfg, perform_initialization=False)
@@ -203,7 +211,7 @@ def snapshot_level(
         kind = key or "params"
         snapshot = Snapshot(group, storage=keep, directory=None if keep_dir is None else f"{keep_dir}/{kind}")
         reader = ModelReader(fine_module, level_map.fine, groups, local=fast, optimizer=optimizer, state_key=key)
-        _copy_stream(reader, snapshot, level_map.fine.num_layers)
+        _copy_stream(reader, snapshot, level_map.fine.num_layers, cfg=level_map.fine)
         if key is None:
             before.params = snapshot
         else:
@@ -273,7 +281,7 @@ def load_moments(engine, staged: Staged) -> None:
             engine.module, staged.cfg, Groups.current(), local=staged.local,
             optimizer=engine.optimizer, state_key=key,
         )
-        _copy_stream(snapshot, writer, staged.cfg.num_layers)
+        _copy_stream(snapshot, writer, staged.cfg.num_layers, cfg=staged.cfg)
     if "exp_avg" not in staged.moments:
         return  # SGD's momentum has no step count
     # Adam's bias correction continues from the step count the moments were built over.
@@ -290,12 +298,14 @@ def _snapshot_group(fast: bool):
 
 def _coarsen_stream(reader, writer, level_map: LevelMap, *, tee=None) -> None:
     """Coalesce parameter by parameter: a rank holds at most one parameter of each fine layer of
-    a depth group (full, or its shard on the fast path) beyond its own shards."""
+    a depth group, or one slab of vocabulary rows (full, or its shard on the fast path), beyond its
+    own shards."""
     for name in reader.model_names:
-        value = reader.read_model([name])
-        if tee is not None:
-            tee.write_model(value)
-        writer.write_model(coalesce_model_params(value, level_map))
+        for rows in vocab_slabs(reader, name, level_map.fine):
+            value = reader.read_model([name], rows)
+            if tee is not None:
+                tee.write_model(value, rows)
+            writer.write_model(coalesce_model_params(value, level_map), rows)
     for k, members in enumerate(depth_groups(level_map)):
         for name in reader.layer_names:
             fine = []
@@ -321,12 +331,13 @@ def _perturb(values: dict, std: float, seed: int, key: str) -> dict:
 
 def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, alpha: float, *,
                     perturbation_std: float = 0.0, seed: int = 0) -> None:
-    """De-coalesce and interpolate parameter by parameter."""
+    """De-coalesce and interpolate parameter by parameter (slab by slab of vocabulary rows)."""
     for name in coarse_reader.model_names:
-        values = decoalesce_model_params(coarse_reader.read_model([name]), level_map)
-        if before_reader is not None:  # None when growing (alpha 1): nothing to interpolate with
-            values = interpolate(before_reader.read_model([name]), values, alpha)
-        writer.write_model(_perturb(values, perturbation_std, seed, "model"))
+        for rows in vocab_slabs(coarse_reader, name, level_map.fine, whole=perturbation_std > 0):
+            values = decoalesce_model_params(coarse_reader.read_model([name], rows), level_map)
+            if before_reader is not None:  # None when growing (alpha 1): nothing to interpolate with
+                values = interpolate(before_reader.read_model([name], rows), values, alpha)
+            writer.write_model(_perturb(values, perturbation_std, seed, "model"), rows)
     fine_of = {}
     for j in range(level_map.fine.num_layers):
         fine_of.setdefault(coarse_layer_of(level_map, j), []).append(j)
@@ -342,9 +353,11 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
             del decoalesced
 
 
-def _copy_stream(reader, writer, num_layers: int) -> None:
+def _copy_stream(reader, writer, num_layers: int, *, cfg: Optional[ModelConfig] = None) -> None:
+    """Copy parameter by parameter; with ``cfg`` (the model's), the vocabulary slab by slab."""
     for name in reader.model_names:
-        writer.write_model(reader.read_model([name]))
+        for rows in [None] if cfg is None else vocab_slabs(reader, name, cfg):
+            writer.write_model(reader.read_model([name], rows), rows)
     for i in range(num_layers):
         for name in reader.layer_names:
             writer.write_layer(i, reader.read_layer(i, [name]))
