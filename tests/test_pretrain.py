@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from launch_helpers import ROOT, launch, losses, make_corpus, preprocess, records, small_config
 
@@ -30,6 +31,10 @@ def _config(tmp_path, corpus, name, kind="gpt", **blocks):
                         output_dir=tmp_path / name, **blocks)
 
 
+# every checkpoint of a run kept, to compare runs tag by tag
+KEEP_ALL = {"keep_checkpoints": 100}
+
+
 def _ok(result):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
@@ -39,7 +44,7 @@ def _ok(result):
 def reference(tmp_path_factory, corpus):
     """An uninterrupted one-process GPT V-cycle: what every other layout and resume must match."""
     tmp = tmp_path_factory.mktemp("reference")
-    result = _ok(launch(_config(tmp, corpus, "run")))
+    result = _ok(launch(_config(tmp, corpus, "run", training=KEEP_ALL)))
     return {"dir": tmp / "run", "stdout": result.stdout}
 
 
@@ -74,7 +79,11 @@ def test_one_process_v_cycle(reference):
     fine_only = summary["phases"][0]["flops"] / 3 * 13
     assert totals["flops"] == pytest.approx(sum(p["flops"] for p in summary["phases"]))
     assert totals["flops"] < fine_only  # the coarse steps are cheaper
-    assert totals["transition_seconds"] > 0 and totals["wall_seconds"] > 0
+    # the transitions' time is counted against the phase each leads into, never the first
+    phases = summary["phases"]
+    assert phases[0]["transition_seconds"] == 0.0 and min(p["transition_seconds"] for p in phases[1:]) > 0
+    assert totals["transition_seconds"] == pytest.approx(sum(p["transition_seconds"] for p in phases))
+    assert totals["wall_seconds"] == pytest.approx(totals["train_seconds"] + totals["transition_seconds"])
     valid = records(run, "valid")
     assert valid[-1]["loss"] < valid[0]["loss"] - 0.3  # it learns
     for shown in ("level 0 -> 1: coalesced", "level 1 -> 0: de-coalesced", "tok/s", "eta", "[level 1 | phase 2/3"):
@@ -169,10 +178,29 @@ def test_two_processes_with_changing_layouts(reference, corpus, tmp_path):
     levels = json.loads(_config(tmp_path, corpus, "tmp").read_text())["multilevel"]["levels"]
     levels[0].update(tensor_model_parallel_size=2, deepspeed={"zero_optimization": {"stage": 1}})
     levels[1].update(tensor_model_parallel_size=1, deepspeed={"zero_optimization": {"stage": 3}})
-    config = _config(tmp_path, corpus, "run", multilevel={"levels": levels, "keep_fine": "disk"})
+    config = _config(tmp_path, corpus, "run", multilevel={"levels": levels, "keep_fine": "disk"}, training=KEEP_ALL)
     _ok(launch(config, "--num_procs", 2))
     _assert_close_to_reference(tmp_path / "run", reference, 2e-4)
     assert list((tmp_path / "run" / "snapshots" / "level0" / "params").glob("*.rank1.pt"))
+    # consolidation (what to-full writes) against the one-process run's own weights, read from
+    # its ZeRO-0 module states: level 1 at DP=2 ZeRO-3, level 0 at TP=2 ZeRO-1
+    from megatron_multilevel.checkpoints.convert import load_source
+
+    for tag in ("phase01-step0000005", "phase02-step0000005"):
+        full = load_source(str(tmp_path / "run" / "checkpoints" / tag)).tensors
+        truth = _module_states(reference["dir"] / "checkpoints" / tag)
+        assert full.keys() == truth.keys(), sorted(set(full) ^ set(truth))
+        for name, t in truth.items():
+            assert full[name].shape == t.shape, name
+            # the runs differ by float rounding only: far below any two tensors' own difference
+            assert (full[name] - t).norm() <= 1e-3 * t.norm() + 1e-6, (tag, name)
+
+
+def _module_states(tag_dir: Path) -> dict:
+    """The parameters of a one-process ZeRO-0 checkpoint, read straight from DeepSpeed's file."""
+    (path,) = tag_dir.glob("mp_rank_00_model_states.pt")
+    module = torch.load(path, map_location="cpu", weights_only=False)["module"]
+    return {k: v.float() for k, v in module.items() if not k.endswith("_extra_state")}
 
 
 def test_bert_two_processes_tensor_parallel(corpus, tmp_path):
@@ -213,7 +241,7 @@ def test_default_command_runs_the_embedded_corpus(tmp_path):
         "multilevel.levels.0.steps_after=2", "training.eval_batches=1",
     ))
     assert "preparing the embedded corpus" in result.stdout and "done: final validation loss" in result.stdout
-    assert (tmp_path / "cache").glob("stdlib-*/tokenizer.model")
+    assert list((tmp_path / "cache").glob("stdlib-*/tokenizer.model"))
 
 
 def _pretrain(config, *overrides):
@@ -286,3 +314,6 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path):
     train = records(tmp_path / "run", "train")
     assert all(r["loss"] == r["loss"] and abs(r["loss"]) < 1e6 for r in train)  # only finite losses logged
     assert sidecar["state"]["global_step"] <= train[-1]["global_step"]
+    # the checkpoint kept holds finite weights
+    weights = _module_states(tmp_path / "run" / "checkpoints" / latest)
+    assert weights and all(torch.isfinite(t).all() for t in weights.values())

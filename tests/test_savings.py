@@ -41,6 +41,34 @@ def test_savings_against_the_baseline():
     assert run_savings(baseline, baseline)["saving_flops"] == 0.0
 
 
+def test_savings_by_hand_on_both_axes():
+    """FLOPs and seconds are separate curves: each crossing is worked out on its own axis."""
+    def rec(level, flops, seconds, loss):
+        return {"type": "valid", "level": level, "flops": flops, "seconds": seconds, "loss": loss}
+
+    # the baseline ends at 3.0, first reached at its last point: 100 FLOPs, 200 seconds
+    baseline = [rec(0, 0, 0, 6.0), rec(0, 40, 80, 3.5), rec(0, 80, 160, 3.2), rec(0, 100, 200, 3.0)]
+    # the method: a coarse record below the target (ignored), then fine records that cross 3.0
+    # half way between 3.2 and 2.8: FLOPs 60 + 0.5 * 10 = 65 (35% saved), seconds 90 + 0.5 * 40 =
+    # 110 (45% saved)
+    method = [rec(1, 10, 10, 2.0), rec(0, 20, 50, 4.0), rec(0, 60, 90, 3.2), rec(0, 70, 130, 2.8),
+              rec(0, 90, 170, 2.7)]
+    out = run_savings(method, baseline)
+    assert out["target_loss"] == 3.0 and out["final_valid_loss"] == 2.7
+    assert out["flops_to_target"] == pytest.approx(65.0) and out["saving_flops"] == pytest.approx(0.35)
+    assert out["seconds_to_target"] == pytest.approx(110.0) and out["saving_seconds"] == pytest.approx(0.45)
+    # a method slower than the baseline has a negative saving: 3.0 reached at 125 FLOPs
+    slow = [rec(0, 100, 200, 3.5), rec(0, 150, 300, 2.5)]
+    assert run_savings(slow, baseline)["saving_flops"] == pytest.approx(-0.25)
+    # equal quality between two compressed runs: 2.95 lies 1/4 of the way from 3.05 (at 0.6) to
+    # 2.65 (at 1.0): fraction 0.7; the seconds at 0.7 lie half way from 120 to 160
+    points = [(0.6, 3.05), (1.0, 2.65), (0.4, 3.30), (0.8, 2.85)]
+    out = equal_quality(points, 2.95)
+    assert out["bound"] == "interpolated" and out["fraction"] == pytest.approx(0.7)
+    assert out["saving"] == pytest.approx(0.3)
+    assert at_fraction([(0.4, 80.0), (0.6, 120.0), (0.8, 160.0), (1.0, 200.0)], 0.7) == pytest.approx(140.0)
+
+
 def test_equal_quality_on_made_up_budget_curves():
     # final losses at 50, 65, 80 and 100% of the budget; the target 3.10 lies between 65% (3.20)
     # and 80% (3.00): half way, at 72.5%, so 27.5% saved

@@ -135,3 +135,30 @@ def test_lr_factor():
     assert [lr_factor(s, 4, LRConfig(decay="linear", min_ratio=0.0)) for s in range(4)] == [1.0, 0.75, 0.5, 0.25]
     assert [lr_factor(s, 6, LRConfig(decay="constant", warmup_steps=4)) for s in range(6)] == [
         0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+
+
+def test_lr_factor_by_hand():
+    """Warm-up, cosine, linear and the floor ``min_ratio``, each point worked out by hand."""
+    # warm-up over 4 steps: (step + 1) / 4, whatever the decay
+    warm = LRConfig(warmup_steps=4, decay="cosine", min_ratio=0.2)
+    assert [lr_factor(s, 12, warm) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    # then cosine over the 8 steps left: progress (step - 4) / 8
+    # step 6: progress 1/4, cos(pi/4) = 0.70711: 0.2 + 0.8 * (1 + 0.70711) / 2 = 0.88284
+    assert lr_factor(6, 12, warm) == pytest.approx(0.2 + 0.8 * (1 + 2 ** -0.5) / 2)
+    assert lr_factor(6, 12, warm) == pytest.approx(0.882843, abs=1e-6)
+    # step 8: half way, cos(pi/2) = 0: 0.2 + 0.8 / 2 = 0.6
+    assert lr_factor(8, 12, warm) == pytest.approx(0.6)
+    # step 10: progress 3/4, cos(3 pi/4) = -0.70711: 0.2 + 0.8 * 0.14645 = 0.31716
+    assert lr_factor(10, 12, warm) == pytest.approx(0.317157, abs=1e-6)
+    # the end of the phase and past it: the floor
+    assert lr_factor(12, 12, warm) == pytest.approx(0.2)
+    assert lr_factor(30, 12, warm) == pytest.approx(0.2)
+    # linear from 1 to 0.4 over 6 steps after 2 of warm-up: 1 - 0.6 * progress
+    lin = LRConfig(warmup_steps=2, decay="linear", min_ratio=0.4)
+    assert [lr_factor(s, 8, lin) for s in range(9)] == pytest.approx(
+        [0.5, 1.0, 1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    # min_ratio 1 makes any decay constant; min_ratio 0 decays to 0
+    assert lr_factor(5, 10, LRConfig(decay="cosine", min_ratio=1.0)) == pytest.approx(1.0)
+    assert lr_factor(10, 10, LRConfig(decay="cosine", min_ratio=0.0)) == pytest.approx(0.0)
+    # a cosine with no warm-up starts at the peak: step 0 is progress 0
+    assert lr_factor(0, 10, LRConfig(decay="cosine")) == 1.0

@@ -6,7 +6,7 @@ import torch
 from conftest import VARIANTS, random_state_dict, small_config
 from megatron_multilevel.level_maps import make_level_map
 from megatron_multilevel.models import build_model, load_parameters, parameter_state_dict
-from megatron_multilevel.operators import coalesce, decoalesce, interpolate
+from megatron_multilevel.operators import coalesce, decoalesce
 from megatron_multilevel.parallel.tp_layout import partition_dim, shard, unshard
 from megatron_multilevel.parallel.transition import Layout, coarsen, prolong
 from megatron_multilevel.plan import parameter_plan
@@ -83,10 +83,13 @@ def test_single_process_transition_matches_operators(keep, tmp_path):
         for p in staged.model.parameters():
             p.add_(0.01)
     coarse_sd = {k: v.clone() for k, v in parameter_state_dict(staged.model).items()}
-    fine_again = prolong(staged.model, before, lm, 0.5, coarse_layout=Layout(), fine_layout=Layout())
-    expected = interpolate(fine_sd, decoalesce(coarse_sd, lm), 0.5)
+    # alpha 0.3, not 0.5: the two directions of the interpolation differ by more than rounding
+    fine_again = prolong(staged.model, before, lm, 0.3, coarse_layout=Layout(), fine_layout=Layout())
+    decoalesced = decoalesce(coarse_sd, lm)
     got = parameter_state_dict(fine_again.model)
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert got.keys() == decoalesced.keys()
+    for k, t in decoalesced.items():
+        torch.testing.assert_close(got[k], 0.7 * fine_sd[k] + 0.3 * t, msg=k)
     with pytest.raises(ValueError, match="map_moments needs the fine moments"):
         prolong(staged.model, before, lm, 0.5, coarse_layout=Layout(), fine_layout=Layout(), map_moments=True)
 

@@ -1,0 +1,178 @@
+"""Break the code on purpose and check that the tests notice (not part of the pytest run).
+
+    python tests/mutations.py                  # every mutation
+    python tests/mutations.py flops reader     # those whose name contains a word given
+    python tests/mutations.py --no-baseline    # skip running the tests on the unbroken copy first
+
+Each mutation is an exact text substitution in a temporary copy of the repository (sources only:
+no ``.git``, virtual environments, caches or runs); the tests that should catch it then run there
+with this interpreter. First the same tests run on the unbroken copy: they must pass, else a
+"caught" would mean nothing. A mutation whose text is no longer in the code is an error, not a
+pass. Prints whether each mutation was caught; exits 1 if any was not, 2 on an error.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SKIP = shutil.ignore_patterns(".git", ".venv*", ".cache", "runs", "benchmarks", "__pycache__", ".pytest_cache",
+                              "*.egg-info")
+TRAINER = "megatron_multilevel/training/trainer.py"
+FLOPS = "megatron_multilevel/training/flops.py"
+READER = "megatron_multilevel/checkpoints/deepspeed_reader.py"
+TRANSITIONS = ["tests/test_trainer_transitions.py"]
+FLOPS_TESTS = ["tests/test_flops.py"]
+CONSOLIDATION = ["tests/test_pretrain.py::test_two_processes_with_changing_layouts"]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    substitutions: tuple  # (path, old text, new text), each old text found exactly once
+    tests: tuple
+
+
+MUTATIONS = [
+    Mutation("trainer-alpha", "(a) the trainer interpolates with alpha 1.0 whatever the config says",
+             ((TRAINER, "alpha = 1.0 if before is None else ml.alpha_of(nxt.level)", "alpha = 1.0"),),
+             tuple(TRANSITIONS)),
+    Mutation("trainer-global-alpha", "the trainer uses the global alpha, not each level's",
+             ((TRAINER, "alpha = 1.0 if before is None else ml.alpha_of(nxt.level)",
+               "alpha = 1.0 if before is None else ml.alpha"),),
+             tuple(TRANSITIONS)),
+    Mutation("trainer-map", "(b) the trainer ignores optimizer_state 'map'",
+             ((TRAINER, 'mapped = ml.optimizer_state == "map"\n        old = self.engine',
+               "mapped = False\n        old = self.engine"),),
+             tuple(TRANSITIONS)),
+    Mutation("trainer-perturbation", "(b) perturbation_std is never applied",
+             ((TRAINER, "perturbation_std=ml.perturbation_std,", "perturbation_std=0.0,"),),
+             tuple(TRANSITIONS)),
+    Mutation("flops-output-and-attention", "(c) FLOPs drop the output layer and halve attention",
+             ((FLOPS, "total = cfg.num_layers * (qkv + attn * h + mlp) + cfg.vocab_size * h",
+               "total = cfg.num_layers * (qkv + attn * h + mlp)"),
+              (FLOPS, "attention = 12 * cfg.num_layers", "attention = 6 * cfg.num_layers")),
+             tuple(FLOPS_TESTS)),
+    Mutation("flops-output", "FLOPs drop the output layer only",
+             ((FLOPS, "total = cfg.num_layers * (qkv + attn * h + mlp) + cfg.vocab_size * h",
+               "total = cfg.num_layers * (qkv + attn * h + mlp)"),),
+             tuple(FLOPS_TESTS)),
+    Mutation("flops-attention", "FLOPs halve attention only",
+             ((FLOPS, "attention = 12 * cfg.num_layers", "attention = 6 * cfg.num_layers"),),
+             tuple(FLOPS_TESTS)),
+    Mutation("schedule-warmup", "warm-up one step late",
+             (("megatron_multilevel/training/schedule.py", "return (step + 1) / lr.warmup_steps",
+               "return step / lr.warmup_steps"),),
+             ("tests/test_schedule.py",)),
+    Mutation("interpolation-direction", "interpolation weighs the two models the other way round",
+             (("megatron_multilevel/operators.py", "torch.lerp(a.to(dtype), b.to(dtype), alpha)",
+               "torch.lerp(b.to(dtype), a.to(dtype), alpha)"),),
+             ("tests/test_tp_layout.py::test_single_process_transition_matches_operators",)),
+    Mutation("reader-swap-fc2", "(d) the DeepSpeed checkpoint reader swaps linear_fc2 of layers 0 and 1",
+             ((READER, "        shards.append(sd)\n    return shards",
+               "        for key in ('weight', 'bias'):\n"
+               "            a, b = (f'decoder.layers.{i}.mlp.linear_fc2.{key}' for i in (0, 1))\n"
+               "            if a in sd and b in sd:\n"
+               "                sd[a], sd[b] = sd[b], sd[a]\n"
+               "        shards.append(sd)\n    return shards"),),
+             tuple(CONSOLIDATION)),
+]
+
+
+def copy_repository(into: Path) -> Path:
+    repo = into / "repo"
+    shutil.copytree(ROOT, repo, ignore=SKIP, symlinks=True)
+    return repo
+
+
+def environment(repo: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(repo) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    return env
+
+
+def check_imports_the_copy(repo: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", "import megatron_multilevel as m; print(m.__file__)"], cwd=repo,
+                         env=environment(repo), capture_output=True, text=True, timeout=600)
+    where = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+    if not where.startswith(str(repo)):
+        sys.exit(f"error: the copy's tests would import megatron_multilevel from {where}, not from {repo}")
+
+
+def apply(repo: Path, mutation: Mutation, *, dry_run: bool = False) -> None:
+    for path, old, new in mutation.substitutions:
+        file = repo / path
+        text = file.read_text()
+        count = text.count(old)
+        if count != 1:
+            raise SystemExit(f"error: mutation {mutation.name}: the text to replace is found {count} times in "
+                             f"{path} (expected once); update tests/mutations.py:\n{old}")
+        if not dry_run:
+            file.write_text(text.replace(old, new))
+
+
+def run_tests(repo: Path, tests) -> tuple[int, list[str], float]:
+    """pytest's exit status, the tests that failed, and the seconds it took."""
+    t0 = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+                            cwd=repo, env=environment(repo), capture_output=True, text=True)
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", result.stdout, flags=re.M)
+    if result.returncode not in (0, 1):
+        print(result.stdout[-4000:] + result.stderr[-4000:])
+    return result.returncode, failed, time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="run the mutations whose name contains one of these")
+    parser.add_argument("--no-baseline", action="store_true", help="do not run the tests on the unbroken copy first")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.names or any(n in m.name for n in args.names)]
+    if not chosen:
+        sys.exit(f"error: no mutation matches {args.names}; known: {[m.name for m in MUTATIONS]}")
+    with tempfile.TemporaryDirectory(prefix="mutations-") as tmp:
+        pristine = copy_repository(Path(tmp))
+        check_imports_the_copy(pristine)
+        for m in chosen:  # every target text exists before anything runs
+            apply(pristine, m, dry_run=True)
+        if not args.no_baseline:
+            tests = sorted({t for m in chosen for t in m.tests})
+            rc, failed, seconds = run_tests(pristine, tests)
+            print(f"baseline (unbroken code, {len(tests)} test selection(s)): "
+                  f"{'pass' if rc == 0 else 'FAIL ' + ' '.join(failed)} ({seconds:.0f} s)", flush=True)
+            if rc != 0:
+                print("error: the tests fail on the unbroken code; no mutation result would mean anything")
+                return 2
+        survived, broken = [], []
+        for m in chosen:
+            repo = copy_repository(Path(tmp) / m.name)
+            apply(repo, m)
+            rc, failed, seconds = run_tests(repo, m.tests)
+            if rc == 1:
+                verdict = f"caught by {', '.join(failed) or 'a failing test'}"
+            elif rc == 0:
+                verdict = "NOT CAUGHT"
+                survived.append(m.name)
+            else:
+                verdict = f"ERROR (pytest exit status {rc})"
+                broken.append(m.name)
+            print(f"{m.name}: {m.what}: {verdict} ({seconds:.0f} s)", flush=True)
+            shutil.rmtree(repo.parent)
+    if survived:
+        print(f"not caught: {', '.join(survived)}")
+    if broken:
+        print(f"errors: {', '.join(broken)}")
+    return 2 if broken else 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
