@@ -184,10 +184,17 @@ def materialize_optimizer_state(optimizer, keys: Sequence[str]) -> None:
                 state["step"] = torch.tensor(0.0)
             for key in tuple(keys) + (("max_exp_avg_sq",) if adam and inner.defaults.get("amsgrad") else ()):
                 state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    # ZeRO-1/2 and the bf16 optimizer link each parameter to its slice of the flat state lazily, once,
-    # right after the first step of the first parameter group: link again, or the parameters of the
-    # other groups (no weight decay) stay linked to the empty state they had then.
-    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+    link_optimizer_state(optimizer)
+
+
+def link_optimizer_state(optimizer) -> None:
+    """Link every parameter to its slice of the flat optimizer state (ZeRO-1/2, bf16 optimizer).
+
+    DeepSpeed links them lazily, once, right after the first step of the first parameter group:
+    the parameters of the other groups (no weight decay) stay linked to the empty state they had
+    then, and reading or writing their moments through ``safe_get_full_optimizer_state`` fails.
+    Linking again after the state exists fixes every group. Nothing to do for other optimizers."""
+    if optimizer is not None and hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
         optimizer._hp_optimizer_states_linked = False
         optimizer._lazy_init_hp_params_optimizer_state()
 
@@ -242,6 +249,8 @@ class _ModelStream:
         self.cfg, self.groups, self.local = cfg, groups, local
         self.optimizer, self.state_key = optimizer, state_key
         self.plan = parameter_plan(cfg)
+        if state_key is not None:
+            link_optimizer_state(optimizer)
 
 
 class ModelReader(_ModelStream):
