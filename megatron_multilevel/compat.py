@@ -13,10 +13,16 @@ The same on both, and tested on both (tests/test_compat.py, the model, transitio
 tests): the parameter names and layouts, ``get_gpt_layer_local_spec`` / ``bert_layer_local_spec``,
 the dataset config fields the project sets, the ``parallel_state`` calls and the three CUDA points
 of ``cpu_shims``. 0.19 logs that ``GPTModel`` is deprecated in favour of its ``HybridModel``; it
-builds and trains the same.
+builds and trains the same, and ``quiet_library_notices`` drops that notice.
+
+The torch builds differ too: PyPI's torch for Python 3.12 is built with CUDA. On a machine with a
+CUDA toolkit but no GPU, importing ``torch.utils.cpp_extension`` (Megatron-Core's
+``tensor_parallel.random`` and DeepSpeed's op builder do) logs that no CUDA runtime was found, which
+concerns nothing a CPU run does; ``quiet_library_notices`` drops it as well.
 """
 
 import json
+import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Any
@@ -27,6 +33,39 @@ def megatron_core_version() -> tuple:
     from megatron.core.package_info import MAJOR, MINOR
 
     return MAJOR, MINOR
+
+
+# Library log records that tell a user of this project nothing it can act on: logger name -> the
+# start of the record's message. Only these records are dropped; the loggers' other records pass.
+KNOWN_NOTICES = {
+    # Megatron-Core 0.19+, on every GPTModel built (each level's model, each transition).
+    "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED",
+    # torch built with CUDA, on importing its extension builder without a usable GPU.
+    "torch.utils.cpp_extension": "No CUDA runtime is found",
+}
+
+
+class _DropNotice(logging.Filter):
+    """Drops the records of one logger whose message starts with ``start``."""
+
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
+
+def quiet_library_notices() -> None:
+    """Drop the ``KNOWN_NOTICES`` records, in this process, from now on (idempotent).
+
+    Call it before Megatron-Core or DeepSpeed is imported: torch's extension builder logs its notice
+    once, when either first imports it. The filters sit on the loggers themselves, which exist
+    before the modules that log through them are imported."""
+    for name, start in KNOWN_NOTICES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotice) and f.start == start for f in logger.filters):
+            logger.addFilter(_DropNotice(start))
 
 
 def has_legacy_tokenizer() -> bool:
@@ -85,7 +124,16 @@ class _TokenizerBase(ABC):
     mask = property(lambda self: self._missing("mask"))
 
 
-if has_legacy_tokenizer():
-    from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer as TokenizerBase
-else:
-    TokenizerBase = _TokenizerBase
+def __getattr__(name: str):
+    """``TokenizerBase``: ``MegatronLegacyTokenizer`` where Megatron-Core ships it, else the copy above.
+
+    Resolved on first use rather than on import, so that importing this module does not import
+    Megatron-Core: ``quiet_library_notices`` must run before Megatron-Core's imports log."""
+    if name != "TokenizerBase":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if has_legacy_tokenizer():
+        from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer as base
+    else:
+        base = _TokenizerBase
+    globals()["TokenizerBase"] = base
+    return base

@@ -72,6 +72,9 @@ def wants_baseline(args, cfg) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from megatron_multilevel.compat import quiet_library_notices
+
+    quiet_library_notices()  # before anything imports DeepSpeed or builds a model
     from megatron_multilevel.config import load_config
     from megatron_multilevel.training.baseline import baseline_config, run_baseline
 

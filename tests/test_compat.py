@@ -92,3 +92,26 @@ def test_tokenizer_base_matches_megatron_legacy_tokenizer():
     public = lambda cls: {n for n in dir(cls) if not n.startswith("_")}  # noqa: E731
     assert public(compat._TokenizerBase) == public(MegatronLegacyTokenizer)
     assert compat._TokenizerBase.__abstractmethods__ == MegatronLegacyTokenizer.__abstractmethods__
+
+
+def test_known_library_notices_are_dropped_and_nothing_else():
+    """What a user sees of a run is the project's own output: the known library notices (0.19's
+    GPTModel deprecation, a CUDA-built torch without a GPU) are dropped, their loggers' other
+    records are not."""
+    import logging
+
+    compat.quiet_library_notices()
+    compat.quiet_library_notices()  # idempotent
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    for name, start in compat.KNOWN_NOTICES.items():
+        logger = logging.getLogger(name)
+        assert sum(isinstance(f, compat._DropNotice) for f in logger.filters) == 1
+        logger.addHandler(handler)
+        try:
+            logger.warning(start + " (the notice)")
+            logger.warning("something else from %s", name)
+        finally:
+            logger.removeHandler(handler)
+    assert seen == [f"something else from {name}" for name in compat.KNOWN_NOTICES]
