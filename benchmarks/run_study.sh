@@ -16,7 +16,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python_bin="${PYTHON:-python}"
 
 # The compared methods, the same at every point: training from scratch (in every line, run once),
-# each method with the settings the exploration of docs/benchmarks.md chose for it, at three budget
+# each method with the settings the explorations of docs/benchmarks.md chose for it, at three budget
 # fractions (the equal-quality measure; one where the full budget does not reach scratch's loss),
 # over two seeds (three at the headline point).
 FRACTIONS="--fractions 0.6 0.8 1.0"
@@ -24,10 +24,13 @@ RECIPES=(
   # the multilevel ODE strategy (Lauga et al.): 4 cycles of even/odd coarse models, half the steps
   # coarse, without the first-order coherence term (with AdamW it diverged: docs/benchmarks.md)
   "--methods ode2 --ea 0.1 --ode coherence=none --tag=-nocoherence --fractions 1.0"
-  # progressive stacking: half depth from scratch for half the steps, stacked, re-warmed up
+  # progressive stacking as published: half depth from scratch for half the steps, stacked,
+  # AdamW restarted and re-warmed up
   "--methods stacking --depth-scaling ode $FRACTIONS"
+  # the same with the AdamW moments carried through the growth (de-coalesced), re-warmed up
+  "--methods stacking --depth-scaling ode --optimizer-state map --tag=-map $FRACTIONS"
   # the F-cycle: stacking's start, then a second coarse visit (depth only, halves) and an
-  # interpolation, AdamW moments carried through it, no re-warm-up after the return
+  # interpolation, AdamW moments carried through every transition, no re-warm-up after a return
   "--methods fcycle2 --shape depth --depth-pairing halves --depth-scaling ode --ea 0.1 --optimizer-state map --after-warmup 0 $FRACTIONS"
 )
 
