@@ -459,9 +459,13 @@ def _reusable(path: str, version: str, config: dict) -> bool:
         return False
     with open(path) as f:
         kept = json.load(f)
-    config = json.loads(json.dumps(config))
-    config["training"].pop("output_dir")
-    return kept["version"] == version and kept["config"] == config
+    # where a run writes and where its prepared data are cached are places, not settings: a run
+    # made from another checkout of the same code, on the same data, is the same run
+    config, kept_config = json.loads(json.dumps(config)), json.loads(json.dumps(kept["config"]))
+    for cfg in (config, kept_config):
+        cfg["training"].pop("output_dir", None)
+        cfg.get("data", {}).pop("cache_dir", None)
+    return kept["version"] == version and kept_config == config
 
 
 def _write_json(path: str, value) -> None:
