@@ -269,3 +269,20 @@ def test_ode_variant_schedule():
         variant_configs(BASE, steps=12, fine_lr=1e-3, methods=["ode2"])
     with pytest.raises(ValueError, match="multilevel.ode.coherence"):
         load_config(variant_configs(BASE, steps=400, fine_lr=1e-3, ode={"coherence": "second"})["ode2"])
+
+
+def test_a_kept_run_is_reused_from_another_checkout_only(tmp_path):
+    tool = _tool()
+    config = {"training": {"output_dir": "/a/runs/x", "lr": {"peak": 1e-3}},
+              "data": {"cache_dir": "/a/.cache/data", "seq_length": 64}}
+    kept = tmp_path / "run.json"
+    kept.write_text(json.dumps({"version": "v1", "config": {
+        "training": {"output_dir": "/b/runs/y", "lr": {"peak": 1e-3}},
+        "data": {"cache_dir": "/b/.cache/data", "seq_length": 64}}}))
+    assert tool._reusable(str(kept), "v1", config)  # other places, same settings, same code
+    assert not tool._reusable(str(kept), "v2", config)  # other code
+    other = json.loads(json.dumps(config))
+    other["data"]["seq_length"] = 128
+    assert not tool._reusable(str(kept), "v1", other)  # another setting
+    assert not tool._reusable(str(tmp_path / "missing.json"), "v1", config)
+    assert config["data"]["cache_dir"] == "/a/.cache/data"  # the caller's config is left as it was
