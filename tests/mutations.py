@@ -28,6 +28,7 @@ SKIP = shutil.ignore_patterns(".git", ".venv*", ".cache", "runs", "benchmarks", 
 TRAINER = "megatron_multilevel/training/trainer.py"
 FLOPS = "megatron_multilevel/training/flops.py"
 READER = "megatron_multilevel/checkpoints/deepspeed_reader.py"
+CHECKPOINT = "megatron_multilevel/training/checkpoint.py"
 TRANSITIONS = ["tests/test_trainer_transitions.py"]
 FLOPS_TESTS = ["tests/test_flops.py"]
 CONSOLIDATION = ["tests/test_pretrain.py::test_two_processes_with_changing_layouts"]
@@ -76,6 +77,35 @@ MUTATIONS = [
              (("megatron_multilevel/operators.py", "torch.lerp(a.to(dtype), b.to(dtype), alpha)",
                "torch.lerp(b.to(dtype), a.to(dtype), alpha)"),),
              ("tests/test_tp_layout.py::test_single_process_transition_matches_operators",)),
+    Mutation("writer-rank-diverges", "the model writer shifts the parameters rank 1 holds by 1e-7",
+             (("megatron_multilevel/parallel/streams.py",
+               "                else:\n                    p.data.copy_(v)\n",
+               "                else:\n                    p.data.copy_(v)\n"
+               "                if dist.get_rank() == 1 and not _is_zero3(p):\n"
+               "                    p.data.add_(1e-7)\n"),),
+             ("tests/test_transitions.py::test_two_ranks",)),
+    Mutation("save-marks-early", "a checkpoint is named the latest before all its files are written",
+             ((CHECKPOINT, '    crash_point(f"save:{tag}")',
+               '    if rank == 0:\n        _atomic_write(os.path.join(ckpt, POINTER), tag)\n    crash_point(f"save:{tag}")'),),
+             ("tests/test_pretrain.py::test_resume_after_kill_follows_the_same_trajectory[mid-save]",)),
+    Mutation("resume-reruns-finished-phase", "a run resumed at the end of a phase evaluates and saves it again",
+             ((TRAINER, 'if row["valid_loss"] is None:  # not finished', 'if True:  # not finished'),),
+             ("tests/test_pretrain.py::test_resume_after_kill_follows_the_same_trajectory[during-coalesce]",)),
+    Mutation("writer-rank1-shifts", "the model writer shifts the parameters rank 1 holds by 1e-3",
+             (("megatron_multilevel/parallel/streams.py",
+               "                else:\n                    p.data.copy_(v)\n",
+               "                else:\n                    p.data.copy_(v)\n"
+               "                if dist.get_rank() == 1 and not _is_zero3(p):\n"
+               "                    p.data.add_(1e-3)\n"),),
+             ("tests/test_pretrain.py::test_bert_two_processes_tensor_parallel",)),
+    Mutation("reader-swap-bert-fc2", "the DeepSpeed checkpoint reader swaps BERT's linear_fc2 of layers 0 and 1",
+             ((READER, "        shards.append(sd)\n    return shards",
+               "        for key in ('weight', 'bias'):\n"
+               "            a, b = (f'encoder.layers.{i}.mlp.linear_fc2.{key}' for i in (0, 1))\n"
+               "            if a in sd and b in sd:\n"
+               "                sd[a], sd[b] = sd[b], sd[a]\n"
+               "        shards.append(sd)\n    return shards"),),
+             ("tests/test_pretrain.py::test_bert_to_hf_computes_the_megatron_models_logits",)),
     Mutation("reader-swap-fc2", "(d) the DeepSpeed checkpoint reader swaps linear_fc2 of layers 0 and 1",
              ((READER, "        shards.append(sd)\n    return shards",
                "        for key in ('weight', 'bias'):\n"

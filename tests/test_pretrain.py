@@ -106,9 +106,18 @@ def _crash_and_resume(tmp_path, corpus, crash_at, **blocks):
     return tmp_path / "run"
 
 
-@pytest.mark.parametrize("crash_at", ["step7", "transition2"], ids=["mid-phase", "during-prolong"])
+# Where a kill lands (the trainer's fault injection), and the checkpoint phase each resume starts from:
+# global step 7 in the coarse phase; coalescing into phase 1 (the coarse model built, its engine not
+# yet); de-coalescing into phase 2; and inside the save at global step 6 (phase 1, step 3), after
+# DeepSpeed wrote its files and before the checkpoint is marked complete, so the resume must skip
+# that half-written checkpoint and coalesce again from the one before.
+KILLS = {"step7": 1, "transition1": 0, "transition2": 1, "save:phase01-step0000003": 0}
+
+
+@pytest.mark.parametrize("crash_at", list(KILLS), ids=["mid-phase", "during-coalesce", "during-prolong", "mid-save"])
 def test_resume_after_kill_follows_the_same_trajectory(reference, corpus, tmp_path, crash_at):
     run = _crash_and_resume(tmp_path, corpus, crash_at)
+    assert [r["phase"] for r in records(run, "resume")] == [KILLS[crash_at]]
     _assert_close_to_reference(run, reference, 1e-6)
     assert json.loads((run / "summary.json").read_text())["phases"][-1]["valid_loss"] == pytest.approx(
         json.loads((reference["dir"] / "summary.json").read_text())["phases"][-1]["valid_loss"], abs=1e-6
@@ -203,14 +212,56 @@ def _module_states(tag_dir: Path) -> dict:
     return {k: v.float() for k, v in module.items() if not k.endswith("_extra_state")}
 
 
-def test_bert_two_processes_tensor_parallel(corpus, tmp_path):
+# mapped moments, to check them across layouts too (not perturbation_std, whose noise differs at
+# TP=2: test_transitions.py::test_perturbation_is_the_same_in_every_layout)
+BERT_MULTILEVEL = {"optimizer_state": "map"}
+
+
+@pytest.fixture(scope="module")
+def bert_reference(tmp_path_factory, corpus):
+    """An uninterrupted one-process BERT V-cycle: what its TP=2 run and its export must match."""
+    tmp = tmp_path_factory.mktemp("bert_reference")
+    _ok(launch(_config(tmp, corpus, "run", kind="bert", multilevel=BERT_MULTILEVEL)))
+    return {"dir": tmp / "run"}
+
+
+def test_bert_two_processes_tensor_parallel(bert_reference, corpus, tmp_path):
+    """BERT at TP=2 on every level: the same run as one process, step by step."""
     config = _config(tmp_path, corpus, "run", kind="bert", parallel={"tensor_model_parallel_size": 2},
-                     multilevel={"optimizer_state": "map", "perturbation_std": 0.01})
+                     multilevel=BERT_MULTILEVEL)
     _ok(launch(config, "--num_procs", 2))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert [p["level"] for p in summary["phases"]] == [0, 1, 0]
+    _assert_close_to_reference(tmp_path / "run", bert_reference, 2e-4)
     valid = records(tmp_path / "run", "valid")
     assert valid[-1]["loss"] < valid[0]["loss"]
+
+
+def test_bert_to_hf_computes_the_megatron_models_logits(bert_reference, tmp_path):
+    """``to-hf`` of a trained BERT loads as transformers' MegatronBertForMaskedLM, offline, and
+    computes the logits of our Megatron model built from DeepSpeed's own file of that checkpoint."""
+    from transformers import MegatronBertForMaskedLM
+
+    from megatron_multilevel.checkpoints.convert import load_source
+    from megatron_multilevel.checkpoints.verify import fixed_tokens, logits_full
+
+    run = bert_reference["dir"]
+    export = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "to-hf", str(run),
+                             str(tmp_path / "hf")], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    _ok(export)
+    hf = MegatronBertForMaskedLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    tag = (run / "checkpoints" / "latest").read_text().strip()
+    cfg = load_source(str(run)).model  # its shape only: the weights come from DeepSpeed's file below
+    assert cfg.kind == "bert"
+    assert hf.config.num_hidden_layers == cfg.num_layers and hf.config.hidden_size == cfg.hidden_size
+    tokens = fixed_tokens(cfg)
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens, attention_mask=torch.ones_like(tokens),
+                    token_type_ids=torch.zeros_like(tokens)).logits
+    ours = logits_full(_module_states(run / "checkpoints" / tag), cfg, tokens)
+    assert theirs.shape == ours.shape == (*tokens.shape, cfg.vocab_size)
+    assert (theirs - ours).abs().max() < 1e-4 * max(1.0, ours.abs().max().item())
 
 
 def test_two_nodes_on_localhost(reference, corpus, tmp_path):

@@ -48,6 +48,13 @@ class RunState:
     ``reference_loss``)."""
 
 
+def crash_point(where: str) -> None:
+    """Fault injection for the crash-safety tests: ``MEGATRON_MULTILEVEL_CRASH_AT=<where>`` ends
+    the process right there with no cleanup at all, as a SIGKILL would."""
+    if os.environ.get("MEGATRON_MULTILEVEL_CRASH_AT") == where:
+        os._exit(137)
+
+
 def tag_of(phase: int, step: int) -> str:
     return f"phase{phase:02d}-step{step:07d}"
 
@@ -101,6 +108,7 @@ def save(engine, run_dir: str, state: RunState, *, meta: dict,
         shutil.rmtree(os.path.join(ckpt, tag))  # leftovers of a save that was killed
     dist.barrier()
     engine.save_checkpoint(ckpt, tag=tag, save_latest=False)
+    crash_point(f"save:{tag}")  # DeepSpeed's files written, ours not yet, the checkpoint not marked complete
     torch.save(_rng_state(), os.path.join(ckpt, tag, f"rng_rank{rank}.pt"))
     if extra is not None:
         extra(os.path.join(ckpt, tag))

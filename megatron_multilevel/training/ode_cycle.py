@@ -136,10 +136,8 @@ class OdeCycle:
         return what, extra
 
     def _start_engine(self, staged, phase: Phase, *, crash: bool = True) -> None:
-        from megatron_multilevel.training.trainer import _crash_point
-
         if crash:
-            _crash_point(f"transition{phase.index}")
+            checkpoint.crash_point(f"transition{phase.index}")
         gc.collect()
         self.t.engine = self.t._engine(staged.model, phase)
         load_moments(self.t.engine, staged)

@@ -40,13 +40,6 @@ def _device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _crash_point(where: str) -> None:
-    """Fault injection for the crash-safety tests: ``MEGATRON_MULTILEVEL_CRASH_AT=<where>`` ends
-    the process right there with no cleanup at all, as a SIGKILL would."""
-    if os.environ.get("MEGATRON_MULTILEVEL_CRASH_AT") == where:
-        os._exit(137)
-
-
 class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -226,7 +219,7 @@ class Trainer:
             state.global_step += 1
             c["tokens"] += self.tokens_per_step
             c["flops"] += step_flops
-            _crash_point(f"step{state.global_step}")
+            checkpoint.crash_point(f"step{state.global_step}")
             window.append(loss)
             timed += 1
             if state.step % t.log_interval == 0 or state.step == phase.steps:
@@ -339,7 +332,7 @@ class Trainer:
             self.state.open_levels.pop(nxt.level, None)
             what = "de-coalesced, grown" if before is None else "de-coalesced and interpolated"
             what += f" (alpha {alpha})"
-        _crash_point(f"transition{nxt.index}")
+        checkpoint.crash_point(f"transition{nxt.index}")
         self.engine = old = None
         gc.collect()
         self.engine = self._engine(staged.model, nxt)
