@@ -191,9 +191,10 @@ def report(results_by_rank, args):
         tc, tp = min(x[0] for x in rows), min(x[1] for x in rows)
         pc, pp = min(x[2] for x in rows), min(x[3] for x in rows)
         # Each rank's best repeat, then the worse rank.
-        trc, trp = (max(min(x[k] for x in ranks[i]["rows"]) for ranks in results_by_rank) for k in (7, 8))
-        per_rank = [[min(x[k] for x in ranks[i]["rows"]) / mib for ranks in results_by_rank] for k in (7, 8)]
-        print(f"  transient coarsen / prolong MiB by rank: {per_rank}", file=sys.stderr)
+        per_rank = [[min(x[k] for x in ranks[i]["rows"]) for ranks in results_by_rank] for k in (7, 8)]
+        trc, trp = (max(by_rank) for by_rank in per_rank)
+        print(f"  transient coarsen / prolong MiB by rank: {[[v / mib for v in by_rank] for by_rank in per_rank]}",
+              file=sys.stderr)
         coarse_b, snap_b, fine_b = rows[0][4], rows[0][5], rows[0][6]
         print(f"| {r['path']} | {tc:.2f} | {tp:.2f} | {r['clone']:.3f} | {r['gather']:.3f} "
               f"| {tc / r['clone']:.1f}x | {tp / r['clone']:.1f}x | {pc / mib:.0f} | {pp / mib:.0f} "

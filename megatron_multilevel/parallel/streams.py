@@ -252,6 +252,12 @@ class _ModelStream:
         if state_key is not None:
             link_optimizer_state(optimizer)
 
+    def _tp_split(self, name: str) -> bool:
+        """Whether the full tensor of ``name`` is split over the tensor-parallel ranks (assembled
+        from their shards when read, sharded when written)."""
+        _, rule = self.plan.rule(name)
+        return not self.local and self.groups.tp_size > 1 and partition_dim(rule) is not None
+
 
 class ModelReader(_ModelStream):
     """Reads a live Megatron model (plain or inside a DeepSpeed engine), layer by layer.
@@ -276,11 +282,6 @@ class ModelReader(_ModelStream):
         """Rows (dim 0) of the tensor ``read_model`` returns for ``name``."""
         rows = _local_shape(self.params[name])[0]
         return rows * self.groups.tp_size if self._tp_split(name) else rows
-
-    def _tp_split(self, name: str) -> bool:
-        """Whether the full tensor of ``name`` is assembled from tensor-parallel shards."""
-        _, rule = self.plan.rule(name)
-        return not self.local and self.groups.tp_size > 1 and partition_dim(rule) is not None
 
     def _read(self, name: str) -> torch.Tensor:
         value = self._local_value(self.params[name])
@@ -389,7 +390,7 @@ class ModelWriter(_ModelStream):
         p = self.params[name]
         _, rule = self.plan.rule(name)
         shape = _local_shape(p)
-        split = not self.local and self.groups.tp_size > 1 and partition_dim(rule) is not None
+        split = self._tp_split(name)
         assert not split or partition_dim(rule) == 0, (name, partition_dim(rule))
         first = shape[0] * self.groups.tp_rank if split else 0
         expected = (shape[0] * (self.groups.tp_size if split else 1), *shape[1:])
@@ -436,7 +437,7 @@ class ModelWriter(_ModelStream):
         assert not unknown, f"the target model has no parameters {unknown}"
         params = [(self.params[n], self._target(n, t)) for n, t in values.items()]
         for (p, v), name in zip(params, values):
-            expected = tuple(p.ds_shape) if _is_zero3(p) else tuple(p.shape)
+            expected = tuple(_local_shape(p))
             assert tuple(v.shape) == expected, (name, tuple(v.shape), expected)
         if self.state_key is not None:
             self._write_state(params)
