@@ -149,7 +149,38 @@ def test_baseline_is_on_for_the_embedded_default_only(tmp_path):
     base = baseline_config(cfg)
     assert not base.multilevel.enabled and base.training.seed == cfg.training.seed
     assert base.training.output_dir == os.path.join(cfg.training.output_dir, "baseline")
-    assert base.training.lr == cfg.multilevel.levels[0].lr_before and base.data == cfg.data
+    assert base.data == cfg.data
+
+
+def test_the_baseline_warms_up_from_scratch_and_anneals_as_the_run_does():
+    """An F-cycle's fine phases come after growth and have no warm-up, an ODE run's cycles keep a
+    constant rate: the baseline, trained from random weights, takes the warm-up of the run's first
+    phase and the decay of its last fine one."""
+    from megatron_multilevel.training.baseline import baseline_config
+
+    data = json.loads(DEFAULT_CONFIG.read_text())
+    data["multilevel"] = {"enabled": True, "cycle": "f", "num_levels": 2, "alpha": 0.5, "levels": [
+        {"steps_before": 6, "lr_before": {"peak": 2e-3, "warmup_steps": 0, "decay": "constant"},
+         "steps_after": 8, "lr_after": {"peak": 1e-3, "warmup_steps": 0, "decay": "linear", "min_ratio": 0.2}},
+        {"visits": [{"steps": 10, "lr": {"peak": 5e-3, "warmup_steps": 3}}, {"steps": 4, "lr": {"peak": 5e-3}}]}]}
+    lr = baseline_config(load_config(data)).training.lr
+    assert (lr.peak, lr.warmup_steps, lr.decay, lr.min_ratio) == (2e-3, 3, "linear", 0.2)
+
+    data["multilevel"] = {"enabled": True, "strategy": "ode", "ode": {
+        "pre_steps": 2, "coarse_steps": 4, "post_steps": 2, "cycles": 2, "final_steps": 6,
+        "fine_lr": {"peak": 1e-3, "warmup_steps": 0, "decay": "constant"},
+        "coarse_lr": {"peak": 1e-3, "warmup_steps": 0, "decay": "constant"},
+        "final_lr": {"peak": 1e-3, "warmup_steps": 0, "decay": "cosine", "min_ratio": 0.05}}}
+    lr = baseline_config(load_config(data)).training.lr
+    assert (lr.peak, lr.warmup_steps, lr.decay, lr.min_ratio) == (1e-3, 0, "cosine", 0.05)
+
+    # a V-cycle starts at the fine level: its first schedule, annealed as its last fine phase
+    data["multilevel"] = {"enabled": True, "num_levels": 2, "alpha": 0.5, "levels": [
+        {"steps_before": 5, "lr_before": {"peak": 1e-3, "warmup_steps": 2, "decay": "constant"},
+         "steps_after": 8, "lr_after": {"peak": 1e-3, "warmup_steps": 1}},
+        {"steps_before": 6, "lr_before": {"peak": 3e-3, "warmup_steps": 0}}]}
+    lr = baseline_config(load_config(data)).training.lr
+    assert (lr.peak, lr.warmup_steps, lr.decay, lr.min_ratio) == (1e-3, 2, "cosine", 0.1)
 
 
 def _fine_valid(run_dir: Path) -> list[tuple[float, float, float]]:

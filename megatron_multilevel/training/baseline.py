@@ -31,8 +31,14 @@ SUMMARY = "summary.json"
 
 def baseline_config(cfg: RunConfig) -> RunConfig:
     """The baseline of the multilevel run ``cfg``: multilevel disabled; the fine level's
-    tensor-parallel size, DeepSpeed overrides and (first) learning-rate schedule; as many steps as
-    spend the run's training FLOPs; ``training.output_dir`` ``<run>/baseline``."""
+    tensor-parallel size and DeepSpeed overrides; as many steps as spend the run's training FLOPs;
+    ``training.output_dir`` ``<run>/baseline``.
+
+    Its learning rate is a from-scratch schedule made of the run's own: the fine level's first
+    peak, the warm-up of the run's first phase (the one that starts from random weights, at
+    whatever level: an F-cycle's fine phases come after growth and need none) and the decay of the
+    run's last fine phase (the anneal it ends with: an ODE run's fine phases in the cycles are
+    constant)."""
     from megatron_multilevel.config import deep_merge
 
     if not cfg.multilevel.enabled:
@@ -42,7 +48,10 @@ def baseline_config(cfg: RunConfig) -> RunConfig:
     # every level trains the same tokens per step: the run's steps in fine steps of equal FLOPs
     steps = max(1, round(sum(p.steps * flops_per_token(models[p.level], seq) for p in phases)
                          / flops_per_token(models[0], seq)))
-    lr = next((p.lr for p in phases if p.level == 0 and p.steps), cfg.training.lr)
+    fine = [p.lr for p in phases if p.level == 0 and p.steps] or [cfg.training.lr]
+    first = next((p.lr for p in phases if p.steps), fine[0])
+    lr = dataclasses.replace(fine[0], warmup_steps=first.warmup_steps, decay=fine[-1].decay,
+                             min_ratio=fine[-1].min_ratio)
     levels = cfg.multilevel.levels
     data = deep_merge(config_to_dict(cfg), levels[0].deepspeed if levels else {})
     data["multilevel"] = {"enabled": False}
