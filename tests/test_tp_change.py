@@ -105,8 +105,8 @@ def test_every_accepted_combination_makes_its_groupings(path):
 
 
 def test_a_coarse_level_that_inherits_a_size_it_cannot_split_names_its_own_key():
-    """GPT-Base at TP=4: its coarse level's 6 heads need a TP size of their own."""
-    data = json.loads((ROOT / "configs" / "gpt_base.json").read_text())
+    """GPT-Base at TP=4, the paper's schedule: its width-coalesced level's 6 heads need a TP size of their own."""
+    data = json.loads((ROOT / "configs" / "gpt_base_paper.json").read_text())
     with pytest.raises(ValueError, match=re.escape(
             "level 1: tensor_model_parallel_size = 4 (from parallel.tensor_model_parallel_size) does not divide "
             "num_attention_heads = 6 at this level (model.num_attention_heads = 12 at level 0); "
