@@ -4,6 +4,8 @@
 #   bash benchmarks/run_study.sh            # every point, in order
 #   bash benchmarks/run_study.sh cpu-8x256-480 cpu-4x128-3840    # some points
 #   bash benchmarks/run_study.sh --list     # the points
+#   bash benchmarks/run_study.sh --seeds 2 cpu-8x256-480     # only the first two seeds of a point
+#   bash benchmarks/run_study.sh ablation-8x256-480          # the recipe's ablation (one seed)
 #
 # All runs of the study are made by the code of one commit, benchmarks/STUDY_COMMIT: the script
 # runs the benchmark from a worktree of that commit, whatever main has become since, so a study
@@ -44,14 +46,42 @@ declare -A POINTS=(
   [cpu-4x128-960]="--size cpu-small --steps 960"
   [cpu-4x128-3840]="--size cpu-small --steps 3840"
 )
-declare -A SEEDS=([cpu-8x256-480]=3)  # two elsewhere
+declare -A SEEDS=([cpu-8x256-480]=3 [ablation-8x256-480]=1)  # two elsewhere
 ORDER=(cpu-8x256-480 cpu-4x128-240 cpu-4x128-960 cpu-8x256-240 cpu-8x256-960 cpu-4x128-3840)
 
+# The ablation of the recipe (README, "The recipe": the F-cycle above) at the headline point, one
+# change at a time, each at the full budget (final loss and curve crossing), most telling first.
+RECIPE="--shape depth --depth-pairing halves --depth-scaling ode --ea 0.1 --optimizer-state map --after-warmup 0"
+POINTS[ablation-8x256-480]="--size cpu --steps 480 --fractions 1.0"
+ABLATION=(
+  "--methods fcycle2 $RECIPE"                                               # the recipe
+  "--methods fcycle2 $RECIPE --optimizer-state reset --tag=-reset"          # AdamW restarted at every transition
+  "--methods fcycle2 $RECIPE --after-warmup 19 --tag=-rewarm"               # re-warm-up (4%) after every return
+  "--methods fcycle2 $RECIPE --extra-shapes width+depth"                    # width coalesced too (coarse rate x3)
+  "--methods fcycle2 $RECIPE --depth-pairing adjacent --tag=-adjacent"      # coarse layer i = fine layers 2i, 2i+1
+  "--methods fcycle2 $RECIPE --compare-depth-scaling"                       # the paper's depth operators
+  "--methods vcycle2 wcycle2 $RECIPE"                                       # the V- and W-cycle, same settings
+  "--methods fcycle2 $RECIPE --alpha 0.5 0.25 1.0"                          # interpolation weight of the return
+  "--methods fcycle2 $RECIPE --fcycle-revisit 0.1 --tag=-revisit0.1"        # the second coarse visit's length
+  "--methods fcycle2 $RECIPE --fcycle-revisit 0.5 --tag=-revisit0.5"
+  "--methods fcycle2 $RECIPE --ea 0.1 0.05 0.2 --coarse-share 0.5 0.35 0.65"  # fine steps before it; coarse share
+  "--methods fcycle2 $RECIPE --alpha 0.75 --perturbation 0.05 --tag=-p0.05"  # noise after growing, alpha 0.75
+  "--methods vcycle3 $RECIPE"                                               # three levels
+)
+
+recipes_of() {  # the recipe lines of a point
+  if [[ "$1" == ablation-* ]]; then printf '%s\n' "${ABLATION[@]}"; else printf '%s\n' "${RECIPES[@]}"; fi
+}
+
+max_seeds=""
+if [[ "${1:-}" == "--seeds" ]]; then
+  max_seeds="${2:?--seeds takes a number}"; shift 2
+fi
 if [[ "${1:-}" == "--list" ]]; then
-  for point in "${ORDER[@]}"; do
-    for recipe in "${RECIPES[@]}"; do
+  for point in "${ORDER[@]}" ablation-8x256-480; do
+    while IFS= read -r recipe; do
       echo "$point: ${POINTS[$point]} $recipe (seeds 1234 to $((1233 + ${SEEDS[$point]:-2})))"
-    done
+    done < <(recipes_of "$point")
   done
   exit 0
 fi
@@ -76,8 +106,11 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extensio
 for point in "${points[@]}"; do
   echo "== $point (code of $commit)"
   # seed by seed, every method at every fraction: a study stopped early has whole seeds
-  for ((s = 0; s < ${SEEDS[$point]:-2}; s++)); do
-    for recipe in "${RECIPES[@]}"; do  # each line adds its method; the last report shows them all
+  seeds=${SEEDS[$point]:-2}
+  [[ -z "$max_seeds" || $max_seeds -ge $seeds ]] || seeds=$max_seeds
+  mapfile -t recipes < <(recipes_of "$point")
+  for ((s = 0; s < seeds; s++)); do
+    for recipe in "${recipes[@]}"; do  # each line adds its method; the last report shows them all
       # a run that fails (a port taken at its rendezvous by another job on the machine) is tried
       # again, twice: the benchmark runs only what is missing and resumes from the last checkpoint
       for attempt in 1 2 3; do
