@@ -212,8 +212,8 @@ def _module_states(tag_dir: Path) -> dict:
     return {k: v.float() for k, v in module.items() if not k.endswith("_extra_state")}
 
 
-# mapped moments, to check them across layouts too (not perturbation_std, whose noise differs at
-# TP=2: test_transitions.py::test_perturbation_is_the_same_in_every_layout)
+# mapped moments, to check them across layouts too (perturbation_std across layouts:
+# test_transitions.py::test_perturbation_is_the_same_in_every_layout)
 BERT_MULTILEVEL = {"optimizer_state": "map"}
 
 

@@ -461,8 +461,6 @@ def _perturbed_prolong_worker(rank, world, tp):
     return _reference_gather(_engine(staged.model, 0), cfg)
 
 
-@pytest.mark.xfail(strict=True, reason="prolong's fast path draws perturbation_std's noise for each tensor-parallel "
-                                       "shard on its own (shape and deviation of the shard), not for the whole tensor")
 def test_perturbation_is_the_same_in_every_layout(tmp_path):
     """The noise of ``perturbation_std`` is seeded by the parameter's name and scaled by the whole
     tensor's deviation: TP=2 (fast path) must build the model one process builds."""

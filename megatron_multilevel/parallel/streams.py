@@ -382,6 +382,35 @@ class ModelWriter(_ModelStream):
         prefix = layer_prefix(self.cfg, layer)
         self._write({prefix + name: t for name, t in values.items()})
 
+    def _shard_of_full(self, name: str) -> bool:
+        """Whether what this rank writes of ``name`` is its tensor-parallel shard of the full tensor
+        (``local``: the fast path, which maps every rank's own shards) rather than the full tensor."""
+        _, rule = self.plan.rule(name)
+        return self.local and self.groups.tp_size > 1 and partition_dim(rule) is not None
+
+    def full_tensor_noise(self, name: str, shape: Sequence[int], generator: torch.Generator) -> torch.Tensor:
+        """Standard normal noise drawn for the full tensor of ``name`` with ``generator``: the part
+        of it that this rank's values of ``shape`` hold, so that every layout adds the same noise."""
+        if not self._shard_of_full(name):
+            return torch.randn(tuple(shape), generator=generator, dtype=torch.float32)
+        _, rule = self.plan.rule(name)
+        full = list(shape)
+        full[partition_dim(rule)] *= self.groups.tp_size
+        noise = torch.randn(full, generator=generator, dtype=torch.float32)
+        return shard(noise, rule, self.groups.tp_rank, self.groups.tp_size)
+
+    def full_tensor_std(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """The (unbiased) standard deviation of the full tensor of ``name``, of which ``value`` is
+        what this rank writes; on the fast path from every TP rank's count, sum and sum of squares."""
+        if not self._shard_of_full(name):
+            return value.float().std()
+        v = value.detach().double()
+        stats = torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device), v.sum(),
+                             (v * v).sum()])
+        dist.all_reduce(stats, group=self.groups.tp_group)
+        n, total, squares = stats.tolist()
+        return torch.tensor(max(squares - total * total / n, 0.0) / (n - 1)).sqrt().float().to(value.device)
+
     def _write_rows(self, name: str, rows: Rows, value: torch.Tensor) -> None:
         """Store this rank's overlap of rows of the full tensor: its tensor-parallel shard's rows
         (vocab-parallel: rank ``t`` holds ``[t * R, (t + 1) * R)``), and under ZeRO-3 only the part

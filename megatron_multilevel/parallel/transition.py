@@ -9,7 +9,8 @@ ready for ``deepspeed.initialize``; optionally mapped Adam moments are staged an
 new engine with :func:`load_moments`.
 
 Fast path: same tensor-parallel size at both levels, groupings local to each shard, no ZeRO-3:
-every rank maps its own shards and nothing is communicated. Otherwise parameters are gathered,
+every rank maps its own shards and nothing is communicated (but three numbers per tensor under
+``perturbation_std``, for the full tensor's deviation). Otherwise parameters are gathered,
 projected and resharded one layer at a time, and the word embedding and output layer one slab of
 vocabulary rows at a time (``streams.vocab_slabs``; whole under ``perturbation_std``, whose noise
 is scaled by the whole tensor's deviation). A step that changes the TP size always takes this
@@ -45,6 +46,7 @@ from megatron_multilevel.parallel.streams import (
     partitioned_init,
     vocab_slabs,
 )
+from megatron_multilevel.plan import layer_prefix
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -317,15 +319,20 @@ def _coarsen_stream(reader, writer, level_map: LevelMap, *, tee=None) -> None:
             del fine
 
 
-def _perturb(values: dict, std: float, seed: int, key: str) -> dict:
-    """Add seeded Gaussian noise, ``std`` times each tensor's own standard deviation."""
+def _perturb(values: dict, std: float, seed: int, key: str, writer: ModelWriter, prefix: str = "") -> dict:
+    """Add seeded Gaussian noise, ``std`` times each full tensor's standard deviation; the noise is
+    drawn for the full tensor and each rank adds its part of it, so that every layout (the fast
+    path's TP shards included) builds the same model."""
     if not std:
         return values
     out = {}
     for name, t in values.items():
+        if t.numel() <= 1:
+            out[name] = t
+            continue
         gen = torch.Generator().manual_seed(seed + zlib.crc32(f"{key}/{name}".encode()))
-        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device)
-        out[name] = (t.float() + std * t.float().std() * noise).to(t.dtype) if t.numel() > 1 else t
+        noise = writer.full_tensor_noise(prefix + name, t.shape, gen).to(t.device)
+        out[name] = (t.float() + std * writer.full_tensor_std(prefix + name, t) * noise).to(t.dtype)
     return out
 
 
@@ -337,7 +344,7 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
             values = decoalesce_model_params(coarse_reader.read_model([name], rows), level_map)
             if before_reader is not None:  # None when growing (alpha 1): nothing to interpolate with
                 values = interpolate(before_reader.read_model([name], rows), values, alpha)
-            writer.write_model(_perturb(values, perturbation_std, seed, "model"), rows)
+            writer.write_model(_perturb(values, perturbation_std, seed, "model", writer), rows)
     fine_of = {}
     for j in range(level_map.fine.num_layers):
         fine_of.setdefault(coarse_layer_of(level_map, j), []).append(j)
@@ -349,7 +356,8 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
                     values = {n: t.clone() for n, t in decoalesced.items()}
                 else:
                     values = interpolate(before_reader.read_layer(j, [name]), decoalesced, alpha)
-                writer.write_layer(j, _perturb(values, perturbation_std, seed, f"layer{j}"))
+                writer.write_layer(j, _perturb(values, perturbation_std, seed, f"layer{j}", writer,
+                                               layer_prefix(writer.cfg, j)))
             del decoalesced
 
 
