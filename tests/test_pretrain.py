@@ -3,6 +3,7 @@ two nodes on localhost, and bad input failing fast."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -188,7 +189,9 @@ def test_two_processes_with_changing_layouts(reference, corpus, tmp_path):
     levels[0].update(tensor_model_parallel_size=2, deepspeed={"zero_optimization": {"stage": 1}})
     levels[1].update(tensor_model_parallel_size=1, deepspeed={"zero_optimization": {"stage": 3}})
     config = _config(tmp_path, corpus, "run", multilevel={"levels": levels, "keep_fine": "disk"}, training=KEEP_ALL)
-    _ok(launch(config, "--num_procs", 2))
+    out = _ok(launch(config, "--num_procs", 2)).stdout
+    # each level's layout is said when the run starts (sequence parallelism stays off on CPU by default)
+    assert re.search(r"on 2 rank\(s\); levels: \d+x\d+ \(TP 2\), \d+x\d+\n", out), out[:3000]
     _assert_close_to_reference(tmp_path / "run", reference, 2e-4)
     assert list((tmp_path / "run" / "snapshots" / "level0" / "params").glob("*.rank1.pt"))
     # consolidation (what to-full writes) against the one-process run's own weights, read from

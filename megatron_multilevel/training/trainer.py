@@ -349,7 +349,8 @@ class Trainer:
         self.metrics.say(
             f"{len(self.phases)} phase(s), {self.total_steps} steps of {self.levels.global_batch} x {self.seq} "
             f"tokens on {dist.get_world_size()} rank(s); levels: "
-            + ", ".join(f"{m.num_layers}x{m.hidden_size}" for m in self.levels.models)
+            + ", ".join(f"{m.num_layers}x{m.hidden_size}{_layout_note(tp, sp)}" for m, tp, sp in
+                        zip(self.levels.models, self.cfg.level_tp_sizes(), self.cfg.level_sequence_parallel()))
         )
         state = self.state
         while state.phase < len(self.phases):
@@ -390,3 +391,10 @@ class Trainer:
             )
         self.metrics.close()
         return summary
+
+
+def _layout_note(tp: int, sequence_parallel: bool) -> str:
+    """`` (TP 2, sequence-parallel)`` for the run's opening line; nothing at TP 1."""
+    if tp == 1:
+        return ""
+    return f" (TP {tp}{', sequence-parallel' if sequence_parallel else ''})"
