@@ -17,23 +17,24 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python_bin="${PYTHON:-python}"
 
-# The compared methods, the same at every point: training from scratch (in every line, run once),
-# each method with the settings the explorations of docs/benchmarks.md chose for it, at three budget
+# The compared methods, the same at every point (the recipe first, so that a seed stopped early has
+# it): training from scratch (in every line, run once), each method with the settings the explorations of docs/benchmarks.md chose for it, at three budget
 # fractions (the equal-quality measure; one where the full budget does not reach scratch's loss),
 # over two seeds (three at the headline point).
 FRACTIONS="--fractions 0.6 0.8 1.0"
 RECIPES=(
-  # the multilevel ODE strategy (Lauga et al.): 4 cycles of even/odd coarse models, half the steps
-  # coarse, without the first-order coherence term (with AdamW it diverged: docs/benchmarks.md)
-  "--methods ode2 --ea 0.1 --ode coherence=none --tag=-nocoherence --fractions 1.0"
-  # progressive stacking as published: half depth from scratch for half the steps, stacked,
-  # AdamW restarted and re-warmed up
-  "--methods stacking --depth-scaling ode $FRACTIONS"
-  # the same with the AdamW moments carried through the growth (de-coalesced), re-warmed up
-  "--methods stacking --depth-scaling ode --optimizer-state map --tag=-map $FRACTIONS"
   # the F-cycle: stacking's start, then a second coarse visit (depth only, halves) and an
   # interpolation, AdamW moments carried through every transition, no re-warm-up after a return
   "--methods fcycle2 --shape depth --depth-pairing halves --depth-scaling ode --ea 0.1 --optimizer-state map --after-warmup 0 $FRACTIONS"
+  # progressive stacking with the AdamW moments carried through the growth (de-coalesced),
+  # re-warmed up
+  "--methods stacking --depth-scaling ode --optimizer-state map --tag=-map $FRACTIONS"
+  # progressive stacking as published: half depth from scratch for half the steps, stacked,
+  # AdamW restarted and re-warmed up
+  "--methods stacking --depth-scaling ode $FRACTIONS"
+  # the multilevel ODE strategy (Lauga et al.): 4 cycles of even/odd coarse models, half the steps
+  # coarse, without the first-order coherence term (with AdamW it diverged: docs/benchmarks.md)
+  "--methods ode2 --ea 0.1 --ode coherence=none --tag=-nocoherence --fractions 1.0"
 )
 
 declare -A POINTS=(
