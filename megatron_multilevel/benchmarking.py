@@ -324,3 +324,46 @@ def _ode_variant(steps: int, fine_lr: float, *, ea: float, coarse_share: float, 
     block.update(pre_steps=smooth, coarse_steps=coarse, post_steps=smooth, final_steps=final,
                  fine_lr=constant, coarse_lr=dict(constant), final_lr={"peak": fine_lr, "warmup_steps": 0})
     return config({"enabled": True, "strategy": "ode", "ode": block})
+
+
+def study_rows(points: dict[str, dict], parameters: dict[str, int]) -> list[dict]:
+    """One row per point of a scale study, from each point's ``results.json`` (``points[name]``) and
+    the fine model's parameter count by shape (``parameters["8x256"]``): the regime (steps,
+    tokens, tokens per parameter, the final loss of training from scratch) and, per method, the
+    median, lowest and highest saving over seeds by both measures, with how many seeds reached
+    scratch's loss. Rows are ordered by model shape, then budget."""
+    rows = []
+    for name, results in points.items():
+        cfg = results["config"]
+        model, seq, batch = cfg["model"], cfg["data"]["seq_length"], cfg["train_batch_size"]
+        shape = f"{model['num_layers']}x{model['hidden_size']}"
+        scratch = results["methods"][results["baseline"]]
+        steps = results["steps"]
+        tokens = steps * batch * seq
+        methods = {}
+        for method, m in results["methods"].items():
+            if method == results["baseline"]:
+                continue
+            # seeds whose smallest budget already reached scratch's loss: the fraction needed is at
+            # most that budget, the saving at least what it says
+            at_least = sum(s.get("equal_quality", {}).get("bound") == "at_most" for s in m["seeds"])
+            methods[method] = {"family": m["family"], "final_valid_loss": m["final_valid_loss"]["median"],
+                               "equal_quality": {**m["eq_saving_flops"], "at_least": at_least},
+                               "crossing": m["crossing_saving_flops"],
+                               "equal_quality_seconds": m["eq_saving_seconds_normalized"]}
+        rows.append({"point": name, "shape": shape, "steps": steps, "tokens": tokens,
+                     "parameters": parameters[shape], "tokens_per_parameter": tokens / parameters[shape],
+                     "seeds": len(results["seeds"]), "scratch_final_loss": scratch["final_valid_loss"]["median"],
+                     "scratch_final_loss_range": [scratch["final_valid_loss"]["min"], scratch["final_valid_loss"]["max"]],
+                     "methods": methods})
+    return sorted(rows, key=lambda r: (r["parameters"], r["tokens"]))
+
+
+def format_saving(s: dict) -> str:
+    """``20.1% (18.0 to 22.3), 2/2`` from a :func:`summarize` block: median (lowest to highest),
+    how many seeds reached scratch's loss of how many, and how many of those are lower bounds."""
+    if not s["reached"]:
+        return f"not reached, 0/{s['n']}"
+    bound = f" (at least, in {s['at_least']} of them: the smallest budget reached it)" if s.get("at_least") else ""
+    return (f"{100 * s['median']:.1f}% ({100 * s['min']:.1f} to {100 * s['max']:.1f}), "
+            f"{s['reached']}/{s['n']}{bound}")

@@ -110,3 +110,44 @@ def plot_budgets(budgets: dict[str, dict[int, list[tuple[float, float]]]], out_d
         ax.axhline(target, color="black", ls="--", lw=1, label="final loss of training from scratch")
     return _finish(plt, fig, ax, "budget (fraction of the FLOPs of training from scratch)", "final validation loss",
                    os.path.join(out_dir, "final_loss_vs_budget.png"))
+
+
+def plot_scale(rows: list[dict], out_dir: str) -> str:
+    """FLOPs saved at equal quality (solid) and by the curve crossing (dashed) against the token
+    budget, one panel per model shape and one colour per method; bars: lowest to highest seed;
+    a point where no seed reached scratch's loss is drawn at 0 with a cross (``rows``:
+    :func:`megatron_multilevel.benchmarking.study_rows`)."""
+    plt = _pyplot()
+    os.makedirs(out_dir, exist_ok=True)
+    shapes = sorted({r["shape"] for r in rows}, key=lambda s: next(r["parameters"] for r in rows if r["shape"] == s))
+    methods = sorted({m for r in rows for m in r["methods"]})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), dpi=120, squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        mine = [r for r in rows if r["shape"] == shape]
+        for i, method in enumerate(methods):
+            for key, style in (("equal_quality", "-"), ("crossing", "--")):
+                pts = [(r["tokens"], r["methods"][method][key]) for r in mine if method in r["methods"]]
+                if not pts:
+                    continue
+                xs = [t for t, _ in pts]
+                ys = [100 * (s["median"] or 0.0) for _, s in pts]
+                lo = [y - 100 * (s["min"] or 0.0) for y, (_, s) in zip(ys, pts)]
+                hi = [100 * (s["max"] or 0.0) - y for y, (_, s) in zip(ys, pts)]
+                ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o" + style, color=f"C{i % 10}", ms=4, lw=1.5, capsize=3,
+                            alpha=1.0 if key == "equal_quality" else 0.5,
+                            label=f"{method} ({'equal quality' if key == 'equal_quality' else 'crossing'})")
+                for x, (_, s) in zip(xs, pts):
+                    if not s["reached"]:
+                        ax.plot([x], [0.0], "x", color=f"C{i % 10}", ms=8)
+        ax.set_xscale("log", base=2)
+        ax.axhline(0.0, color="black", lw=0.8)
+        ax.set_title(f"GPT {shape}, {mine[0]['parameters'] / 1e6:.1f}M parameters")
+        ax.set_xlabel("tokens of training from scratch")
+        ax.set_ylabel("FLOPs saved against training from scratch (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "saving_vs_budget.png")
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -286,3 +286,68 @@ def test_a_kept_run_is_reused_from_another_checkout_only(tmp_path):
     assert not tool._reusable(str(kept), "v1", other)  # another setting
     assert not tool._reusable(str(tmp_path / "missing.json"), "v1", config)
     assert config["data"]["cache_dir"] == "/a/.cache/data"  # the caller's config is left as it was
+
+
+def _study_results(commit: str, seeds: dict) -> dict:
+    """A made-up results.json of one point: ``seeds[seed] = (scratch loss, {method: (eq, crossing, bound)})``."""
+    methods = {"scratch": {"family": "scratch", "seeds": []}, "fcycle2": {"family": "fcycle", "seeds": []}}
+    finals = {"scratch": [], "fcycle2": []}
+    for seed, (scratch_loss, (eq, crossing, bound)) in seeds.items():
+        finals["scratch"].append(scratch_loss)
+        finals["fcycle2"].append(scratch_loss - 0.1)
+        methods["fcycle2"]["seeds"].append({"seed": seed, "equal_quality": {"bound": bound}})
+        methods["fcycle2"].setdefault("eq", []).append(eq)
+        methods["fcycle2"].setdefault("cr", []).append(crossing)
+    methods["scratch"].update(final_valid_loss=summarize(finals["scratch"]))
+    f = methods["fcycle2"]
+    f.update(final_valid_loss=summarize(finals["fcycle2"]), eq_saving_flops=summarize(f.pop("eq")),
+             crossing_saving_flops=summarize(f.pop("cr")), eq_saving_seconds_normalized=summarize([None]))
+    return {"baseline": "scratch", "seeds": sorted(seeds), "methods": methods, "commits": [commit],
+            "config": {"train_batch_size": 16, "data": {"seq_length": 64},
+                       "model": {"kind": "gpt", "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
+                                 "vocab_size": 512, "max_sequence_length": 64}}}
+
+
+def test_study_rows_and_their_table(tmp_path):
+    """The scale study's rows by hand: regime, medians and spreads, lower bounds; points made by
+    other code are left out."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from study_report import read_points, table
+
+    from megatron_multilevel.benchmarking import study_rows
+
+    pinned, other = "a" * 40, "b" * 40
+    (tmp_path / "STUDY_COMMIT").write_text(pinned + "\n")
+    made = {"cpu-4x128-960": _study_results(pinned, {1: (4.0, (0.30, 0.35, "interpolated")),
+                                                      2: (4.2, (0.10, None, "at_most")),
+                                                      3: (4.1, (None, 0.05, "not_reached"))}),
+            "cpu-4x128-240": _study_results(pinned, {1: (5.0, (None, None, "not_reached"))}),
+            "cpu-4x128-3840": _study_results(other, {1: (3.0, (0.5, 0.5, "interpolated"))}),
+            "explore-4x128-240": _study_results(pinned, {1: (5.0, (0.9, 0.9, "interpolated"))})}
+    for name, results in made.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(results))
+    points, notes = read_points(str(tmp_path), pinned)
+    assert sorted(points) == ["cpu-4x128-240", "cpu-4x128-960"]
+    assert notes == [f"cpu-4x128-3840: made by ['{other}'], not the study's {pinned[:12]}: left out"]
+
+    rows = study_rows(points, {"4x128": 1_000_000})
+    assert [r["point"] for r in rows] == ["cpu-4x128-240", "cpu-4x128-960"]  # by budget
+    row = rows[1]
+    assert (row["steps"], row["tokens"], row["seeds"]) == (960, 960 * 16 * 64, 3)
+    assert row["tokens_per_parameter"] == pytest.approx(960 * 16 * 64 / 1e6)
+    assert row["scratch_final_loss"] == pytest.approx(4.1) and row["scratch_final_loss_range"] == [4.0, 4.2]
+    eq = row["methods"]["fcycle2"]["equal_quality"]
+    assert (eq["median"], eq["min"], eq["max"], eq["reached"], eq["n"], eq["at_least"]) == (
+        pytest.approx(0.2), 0.10, 0.30, 2, 3, 1)
+    text = table(rows)
+    assert ("| cpu-4x128-960 | 1.00M | 0.98M | 0.98 | 3 | 4.1000 (4.0000 to 4.2000) | fcycle2 | 4.0000 | "
+            "20.0% (10.0 to 30.0), 2/3 (at least, in 1 of them: the smallest budget reached it) | "
+            "20.0% (5.0 to 35.0), 2/3 |") in text
+    assert "| cpu-4x128-240 | 1.00M | 0.25M | 0.25 | 1 | 5.0000 (5.0000 to 5.0000) | fcycle2 | 4.9000 | " \
+           "not reached, 0/1 | not reached, 0/1 |" in text
+
+    from megatron_multilevel.plotting import plot_scale
+
+    with open(plot_scale(rows, str(tmp_path / "plot")), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,109 @@
+"""The scale study's report: every point's savings side by side, the regime of each point, and the
+saving against the budget per method.
+
+    python tools/study_report.py              # reads benchmarks/<point>/results.json, writes benchmarks/study.*
+
+A point is a directory ``cpu-<layers>x<hidden>-<steps>`` of ``benchmarks/`` (``run_study.sh
+--list``) whose ``results.json`` was made by the study's pinned code (``benchmarks/STUDY_COMMIT``);
+the others are named and left out, so that the table never mixes code versions. Writes
+``study.md`` (one row per point and method), ``study.json`` and ``saving_vs_budget.png``.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+POINT = re.compile(r"^cpu-(\d+)x(\d+)-(\d+)$")
+
+
+def read_points(benchmarks: str, commit: str) -> tuple[dict[str, dict], list[str]]:
+    """The points made by ``commit`` (each results.json with its ``steps``), and notes on the others."""
+    points, notes = {}, []
+    for name in sorted(os.listdir(benchmarks)):
+        match = POINT.match(name)
+        path = os.path.join(benchmarks, name, "results.json")
+        if not match or not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            results = json.load(f)
+        if results.get("commits") != [commit]:
+            notes.append(f"{name}: made by {results.get('commits')}, not the study's {commit[:12]}: left out")
+            continue
+        points[name] = {**results, "steps": int(match.group(3))}
+    return points, notes
+
+
+def parameter_counts(points: dict[str, dict]) -> dict[str, int]:
+    """The fine model's parameters by shape, counted on the Megatron-Core model itself."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron_multilevel.config import load_config
+    from megatron_multilevel.distributed import init_single_process
+    from megatron_multilevel.models import build_model
+
+    init_single_process()
+    counts = {}
+    for results in points.values():
+        cfg = load_config(results["config"]).model
+        shape = f"{cfg.num_layers}x{cfg.hidden_size}"
+        if shape not in counts:
+            counts[shape] = sum(p.numel() for p in build_model(cfg).parameters())
+    return counts
+
+
+def table(rows: list[dict]) -> str:
+    from megatron_multilevel.benchmarking import format_saving
+
+    lines = ["| point | parameters | tokens | tokens per parameter | seeds | scratch: final loss | method | "
+             "final loss | equal quality: FLOPs saved | curve crossing: FLOPs saved |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lo, hi = r["scratch_final_loss_range"]
+        for method, m in sorted(r["methods"].items()):
+            lines.append(f"| {r['point']} | {r['parameters'] / 1e6:.2f}M | {r['tokens'] / 1e6:.2f}M | "
+                         f"{r['tokens_per_parameter']:.2f} | {r['seeds']} | {r['scratch_final_loss']:.4f} "
+                         f"({lo:.4f} to {hi:.4f}) | {method} | {m['final_valid_loss']:.4f} | "
+                         f"{format_saving(m['equal_quality'])} | {format_saving(m['crossing'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--benchmarks", default=os.path.join(ROOT, "benchmarks"))
+    p.add_argument("--out", default=None, help="where study.md, study.json and the plot go (default: --benchmarks)")
+    args = p.parse_args(argv)
+    out = args.out or args.benchmarks
+    commit_file = os.path.join(args.benchmarks, "STUDY_COMMIT")
+    if not os.path.isfile(commit_file):
+        raise SystemExit(f"study_report: {commit_file} is missing: it names the commit the study's runs are made by")
+    with open(commit_file) as f:
+        commit = f.read().strip()
+    points, notes = read_points(args.benchmarks, commit)
+    for note in notes:
+        print(note)
+    if not points:
+        raise SystemExit(f"study_report: no point of {args.benchmarks} was made by {commit[:12]}")
+
+    from megatron_multilevel.benchmarking import study_rows
+    from megatron_multilevel.plotting import plot_scale
+
+    rows = study_rows(points, parameter_counts(points))
+    os.makedirs(out, exist_ok=True)
+    text = table(rows)
+    with open(os.path.join(out, "study.md"), "w") as f:
+        f.write(f"Made by `python tools/study_report.py` from the runs of commit {commit}.\n\n" + text)
+    with open(os.path.join(out, "study.json"), "w") as f:
+        json.dump({"commit": commit, "points": rows}, f, indent=1)
+        f.write("\n")
+    plot = plot_scale(rows, out)
+    print(text + f"\nwritten: {os.path.join(out, 'study.md')}, study.json, {plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
