@@ -356,8 +356,9 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
                     values = {n: t.clone() for n, t in decoalesced.items()}
                 else:
                     values = interpolate(before_reader.read_layer(j, [name]), decoalesced, alpha)
-                writer.write_layer(j, _perturb(values, perturbation_std, seed, f"layer{j}", writer,
-                                               layer_prefix(writer.cfg, j)))
+                if perturbation_std:  # parameters only: the writer is then a model's
+                    values = _perturb(values, perturbation_std, seed, f"layer{j}", writer, layer_prefix(writer.cfg, j))
+                writer.write_layer(j, values)
             del decoalesced
 
 
