@@ -252,11 +252,15 @@ class _ModelStream:
         if state_key is not None:
             link_optimizer_state(optimizer)
 
+    def _tp_partitioned(self, name: str) -> bool:
+        """Whether the model holds ``name`` as tensor-parallel shards."""
+        _, rule = self.plan.rule(name)
+        return self.groups.tp_size > 1 and partition_dim(rule) is not None
+
     def _tp_split(self, name: str) -> bool:
         """Whether the full tensor of ``name`` is split over the tensor-parallel ranks (assembled
         from their shards when read, sharded when written)."""
-        _, rule = self.plan.rule(name)
-        return not self.local and self.groups.tp_size > 1 and partition_dim(rule) is not None
+        return not self.local and self._tp_partitioned(name)
 
 
 class ModelReader(_ModelStream):
@@ -385,8 +389,7 @@ class ModelWriter(_ModelStream):
     def _shard_of_full(self, name: str) -> bool:
         """Whether what this rank writes of ``name`` is its tensor-parallel shard of the full tensor
         (``local``: the fast path, which maps every rank's own shards) rather than the full tensor."""
-        _, rule = self.plan.rule(name)
-        return self.local and self.groups.tp_size > 1 and partition_dim(rule) is not None
+        return self.local and self._tp_partitioned(name)
 
     def full_tensor_noise(self, name: str, shape: Sequence[int], generator: torch.Generator) -> torch.Tensor:
         """Standard normal noise drawn for the full tensor of ``name`` with ``generator``: the part

@@ -319,12 +319,14 @@ def _coarsen_stream(reader, writer, level_map: LevelMap, *, tee=None) -> None:
             del fine
 
 
-def _perturb(values: dict, std: float, seed: int, key: str, writer: ModelWriter, prefix: str = "") -> dict:
-    """Add seeded Gaussian noise, ``std`` times each full tensor's standard deviation; the noise is
-    drawn for the full tensor and each rank adds its part of it, so that every layout (the fast
-    path's TP shards included) builds the same model."""
+def _perturb(values: dict, std: float, seed: int, writer: ModelWriter, layer: Optional[int] = None) -> dict:
+    """Add seeded Gaussian noise, ``std`` times each full tensor's standard deviation, to the
+    parameters outside the layers or (``layer``) of one layer; the noise is drawn for the full
+    tensor and each rank adds its part of it, so that every layout (the fast path's TP shards
+    included) builds the same model."""
     if not std:
         return values
+    key, prefix = ("model", "") if layer is None else (f"layer{layer}", layer_prefix(writer.cfg, layer))
     out = {}
     for name, t in values.items():
         if t.numel() <= 1:
@@ -344,7 +346,7 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
             values = decoalesce_model_params(coarse_reader.read_model([name], rows), level_map)
             if before_reader is not None:  # None when growing (alpha 1): nothing to interpolate with
                 values = interpolate(before_reader.read_model([name], rows), values, alpha)
-            writer.write_model(_perturb(values, perturbation_std, seed, "model", writer), rows)
+            writer.write_model(_perturb(values, perturbation_std, seed, writer), rows)
     fine_of = {}
     for j in range(level_map.fine.num_layers):
         fine_of.setdefault(coarse_layer_of(level_map, j), []).append(j)
@@ -356,9 +358,7 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
                     values = {n: t.clone() for n, t in decoalesced.items()}
                 else:
                     values = interpolate(before_reader.read_layer(j, [name]), decoalesced, alpha)
-                if perturbation_std:  # parameters only: the writer is then a model's
-                    values = _perturb(values, perturbation_std, seed, f"layer{j}", writer, layer_prefix(writer.cfg, j))
-                writer.write_layer(j, values)
+                writer.write_layer(j, _perturb(values, perturbation_std, seed, writer, j))
             del decoalesced
 
 
