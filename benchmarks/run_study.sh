@@ -18,9 +18,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python_bin="${PYTHON:-python}"
 
 # The compared methods, the same at every point (the recipe first, so that a seed stopped early has
-# it): training from scratch (in every line, run once), each method with the settings the explorations of docs/benchmarks.md chose for it, at three budget
-# fractions (the equal-quality measure; one where the full budget does not reach scratch's loss),
-# over two seeds (three at the headline point).
+# it): training from scratch (in every line, run once), each method with the settings the
+# explorations of docs/benchmarks.md chose for it, at three budget fractions (the equal-quality
+# measure; one where the full budget does not reach scratch's loss), over two seeds (three at the
+# headline point).
 FRACTIONS="--fractions 0.6 0.8 1.0"
 RECIPES=(
   # the F-cycle: stacking's start, then a second coarse visit (depth only, halves) and an

@@ -224,10 +224,10 @@ def test_benchmark_end_to_end(tmp_path):
     assert json.loads((kept / "results.json").read_text())["methods"]["vcycle2"] == results["methods"]["vcycle2"]
 
 
-def _tool():
+def _tool(name: str = "benchmark_savings"):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("benchmark_savings", ROOT / "tools" / "benchmark_savings.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -289,7 +289,8 @@ def test_a_kept_run_is_reused_from_another_checkout_only(tmp_path):
 
 
 def _study_results(commit: str, seeds: dict) -> dict:
-    """A made-up results.json of one point: ``seeds[seed] = (scratch loss, {method: (eq, crossing, bound)})``."""
+    """A made-up results.json of one point with scratch and ``fcycle2`` (0.1 below scratch):
+    ``seeds[seed] = (scratch loss, (fcycle2's equal-quality saving, its crossing saving, its bound))``."""
     methods = {"scratch": {"family": "scratch", "seeds": []}, "fcycle2": {"family": "fcycle", "seeds": []}}
     finals = {"scratch": [], "fcycle2": []}
     for seed, (scratch_loss, (eq, crossing, bound)) in seeds.items():
@@ -311,10 +312,10 @@ def _study_results(commit: str, seeds: dict) -> dict:
 def test_study_rows_and_their_table(tmp_path):
     """The scale study's rows by hand: regime, medians and spreads, lower bounds; points made by
     other code are left out."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    from study_report import read_points, table
-
     from megatron_multilevel.benchmarking import study_rows
+
+    report = _tool("study_report")
+    read_points, table = report.read_points, report.table
 
     pinned, other = "a" * 40, "b" * 40
     (tmp_path / "STUDY_COMMIT").write_text(pinned + "\n")
