@@ -339,9 +339,13 @@ class MultilevelConfig:
     ``2i+1``. Made local to each tensor-parallel shard when TP > 1."""
     depth_pairing: Literal["adjacent", "halves"] = "adjacent"
     """Which layers are averaged: ``(2i, 2i+1)`` (the paper) or ``(i, i + L/2)``."""
-    depth_scaling: Literal["none", "ode"] = "none"
+    depth_scaling: Literal["none", "ode", "identity"] = "none"
     """``ode``: treat each layer as an Euler step, so coalescing doubles and de-coalescing halves the
-    residual-branch outputs (attention and FFN output projections)."""
+    residual-branch outputs (attention and FFN output projections). ``identity``: coalesce as
+    ``ode`` (a coarse layer's residual branch is the sum of its pair's); de-coalescing copies the
+    coarse layer into the first layer of its pair and makes the second the identity (its residual
+    outputs zero, the rest copied): the de-coalesced model computes exactly the coarse model's
+    function (function-preserving growth, as Net2Net's deeper networks)."""
     alpha: float = 0.5
     """Interpolation weight of the de-coalesced model: ``(1 - alpha) * before + alpha * decoalesced``."""
     cycle: Literal["v", "w", "f", "grow"] = "v"

@@ -22,7 +22,7 @@ from megatron_multilevel.config import ModelConfig, RunConfig, coarse_model_conf
 
 Pairing = Literal["halves", "adjacent"]
 PAIRINGS = ("halves", "adjacent")
-DEPTH_SCALINGS = ("none", "ode")
+DEPTH_SCALINGS = ("none", "ode", "identity")
 FORMAT_VERSION = 1
 
 
@@ -153,8 +153,11 @@ class LevelMap:
     """FFN units."""
     layers: Optional[Grouping]
     """Layers (null: depth is not coalesced)."""
-    depth_scaling: Literal["none", "ode"] = "none"
-    """``ode``: coarse layers are Euler steps of twice the size (residual outputs x2 / x1/2)."""
+    depth_scaling: Literal["none", "ode", "identity"] = "none"
+    """``ode``: coarse layers are Euler steps of twice the size (residual outputs x2 / x1/2).
+    ``identity``: coalescing as ``ode``; de-coalescing gives the first layer of each pair the
+    coarse layer and the second the identity (residual outputs zero), so the fine model computes
+    the coarse model's function."""
 
     def __post_init__(self):
         width = (self.hidden, self.query_groups, self.ffn)
@@ -318,7 +321,7 @@ def make_level_map(
     depth: bool = True,
     width_pairing: Pairing = "halves",
     depth_pairing: Pairing = "adjacent",
-    depth_scaling: Literal["none", "ode"] = "none",
+    depth_scaling: Literal["none", "ode", "identity"] = "none",
     tensor_model_parallel_size: int = 1,
     coarse_tensor_model_parallel_size: Optional[int] = None,
 ) -> LevelMap:

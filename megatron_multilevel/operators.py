@@ -11,7 +11,7 @@ and ``coalesce(decoalesce(x)) == x`` holds bit for bit: ``(a + a) / 2 == a`` and
 ``a / 2 + a / 2 == a`` in binary floating point.
 
 Depth: a coarse layer is the average of the (width-coalesced) layers of its group; de-coalescing
-copies it into each of them.
+copies it into each of them (``depth_scaling`` says how the residual branch is shared).
 """
 
 from collections import defaultdict
@@ -98,7 +98,10 @@ def decoalesce_tensor(name: str, t: torch.Tensor, rule: ParamRule, level_map: Le
 
 
 def _residual_scale(level_map: LevelMap, rule: ParamRule) -> float:
-    return 2.0 if level_map.depth and level_map.depth_scaling == "ode" and rule.residual else 1.0
+    """What coalescing multiplies a residual-branch output's pair average by: 2 (the sum of the
+    pair's residual branches) when each layer is an Euler step (``ode``, ``identity``)."""
+    euler = level_map.depth and level_map.depth_scaling in ("ode", "identity")
+    return 2.0 if euler and rule.residual else 1.0
 
 
 def coalesce_layers(fine_layers: Sequence[Mapping[str, torch.Tensor]], level_map: LevelMap) -> StateDict:
@@ -127,18 +130,32 @@ def coalesce_layers(fine_layers: Sequence[Mapping[str, torch.Tensor]], level_map
     return out
 
 
-def decoalesce_layer(coarse_layer: Mapping[str, torch.Tensor], level_map: LevelMap) -> StateDict:
-    """The fine layer de-coalesced from one coarse layer; every fine layer of the group copies it."""
+def decoalesce_layer(coarse_layer: Mapping[str, torch.Tensor], level_map: LevelMap, member: int = 0) -> StateDict:
+    """The fine layer de-coalesced from one coarse layer, as the ``member``-th layer (0 or 1) of its
+    depth group (``depth_groups``). Both copy it, but for the residual-branch outputs: halved in
+    each with ``ode`` scaling, kept by the first and zero in the second with ``identity``."""
+    assert member in (0, 1) and (member == 0 or level_map.depth), member
     rules = parameter_plan(level_map.fine).layer
+    identity = level_map.depth and level_map.depth_scaling == "identity"
     out = {}
     for name, t in coarse_layer.items():
         if is_metadata(name):
             continue
         rule = _lookup(rules, name)
         fine = decoalesce_tensor(name, t, rule, level_map)
+        if identity and rule.residual:
+            out[name] = fine if member == 0 else torch.zeros_like(fine)
+            continue
         scale = _residual_scale(level_map, rule)
         out[name] = fine if scale == 1.0 else (fine.to(_compute_dtype(fine)) / scale).to(fine.dtype)
     return out
+
+
+def group_member(level_map: LevelMap, fine_layer: int) -> int:
+    """Which layer of its depth group ``fine_layer`` is (0 or 1; 0 when depth is not coalesced)."""
+    if not level_map.depth:
+        return 0
+    return 0 if fine_layer in level_map.layers.partners[0].tolist() else 1
 
 
 def depth_groups(level_map: LevelMap) -> list[tuple[int, ...]]:
@@ -217,12 +234,12 @@ def decoalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap) -> S
     coarse_layers = level_map.coarse.num_layers
     model, layers = split_layers(state_dict, level_map.fine, coarse_layers, "coarse")
     out = decoalesce_model_params(model, level_map)
-    fine_layers = [decoalesce_layer(layer, level_map) for layer in layers]
     for j in range(level_map.fine.num_layers):
         k = coarse_layer_of(level_map, j)
         prefix = layer_prefix(level_map.fine, j)
+        fine = decoalesce_layer(layers[k], level_map, group_member(level_map, j))
         # Copies, so that the fine layers of a group are independent tensors.
-        out.update({prefix + name: t.clone() for name, t in fine_layers[k].items()})
+        out.update({prefix + name: t.clone() for name, t in fine.items()})
     return out
 
 

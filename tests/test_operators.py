@@ -25,7 +25,7 @@ def assert_equal_dicts(a, b):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("shape", SHAPES, ids=["width+depth", "width", "depth"])
-@pytest.mark.parametrize("scaling", ["none", "ode"])
+@pytest.mark.parametrize("scaling", ["none", "ode", "identity"])
 def test_round_trip_is_exact(variant, shape, scaling):
     cfg = small_config(variant)
     lm = make_level_map(cfg, depth_scaling=scaling, width_pairing="adjacent", **shape)
@@ -140,6 +140,46 @@ def test_ode_depth_scaling_doubles_residual_outputs():
     torch.testing.assert_close(
         a[name], 0.5 * (fine[name] + fine["decoder.layers.1.mlp.linear_fc1.weight"]), rtol=0, atol=0
     )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("pairing", ["adjacent", "halves"])
+def test_identity_depth_scaling_preserves_the_coarse_function(variant, pairing):
+    """De-coalescing depth with ``identity`` scaling: the fine model's logits are the coarse
+    model's (each pair's second layer is the identity), computed by two Megatron models."""
+    from megatron_multilevel.models import build_model, load_parameters, model_logits
+
+    cfg = small_config(variant)
+    lm = make_level_map(cfg, width=False, depth_pairing=pairing, depth_scaling="identity")
+    coarse_sd = random_state_dict(lm.coarse, seed=8)
+    models = {}
+    for role, c, sd in (("coarse", lm.coarse, coarse_sd), ("fine", cfg, decoalesce(coarse_sd, lm))):
+        models[role] = build_model(c).eval()
+        load_parameters(models[role], sd)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model_logits(models["coarse"], lm.coarse, tokens)
+        got = model_logits(models["fine"], cfg, tokens)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # the same coarse model de-coalesced with ode scaling computes another function
+    with torch.no_grad():
+        load_parameters(models["fine"], decoalesce(coarse_sd, make_level_map(
+            cfg, width=False, depth_pairing=pairing, depth_scaling="ode")))
+        assert (model_logits(models["fine"], cfg, tokens) - expected).abs().max() > 1e-2
+
+
+def test_identity_depth_scaling_zeroes_the_second_layers_residual_outputs():
+    cfg = small_config("gpt_tied")
+    lm = make_level_map(cfg, width=False, depth_pairing="halves", depth_scaling="identity")
+    coarse = random_state_dict(lm.coarse, seed=9)
+    fine = decoalesce(coarse, lm)
+    for name, t in fine.items():
+        if ".layers." not in name:
+            continue
+        layer, local = int(name.split(".")[2]), name.split(".", 3)[3]
+        src = coarse[f"decoder.layers.{layer % 2}.{local}"]  # halves: layer i and i + 2 share coarse layer i
+        residual = local.endswith(("linear_proj.weight", "linear_proj.bias", "linear_fc2.weight", "linear_fc2.bias"))
+        assert torch.equal(t, torch.zeros_like(src) if residual and layer >= 2 else src), name
 
 
 def test_interpolate_endpoints_and_midpoint():

@@ -380,9 +380,10 @@ def test_vocabulary_moves_in_slabs(tmp_path):
     assert results[0][2]["collectives"] == 0  # the fast path still communicates nothing
 
 
-def _grow_worker(rank, world, layouts):
-    """Progressive growth with the coarse AdamW moments carried: the grown model's moments are the
-    coarse ones de-coalesced (halves pairing: stacked), its step count the coarse optimizer's."""
+def _grow_worker(rank, world, layouts, depth_scaling="none"):
+    """Progressive growth with the coarse AdamW moments carried: the grown model's parameters and
+    moments are the coarse ones de-coalesced (halves pairing: stacked), its step count the coarse
+    optimizer's."""
     from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
     from megatron_multilevel.models import build_model
     from megatron_multilevel.operators import decoalesce
@@ -393,12 +394,12 @@ def _grow_worker(rank, world, layouts):
     out = []
     for coarse_tp, coarse_stage, fine_tp, fine_stage in layouts:
         cfg = _model_config("gpt")
-        lm = make_level_map(cfg, width=False, depth_pairing="halves")
+        lm = make_level_map(cfg, width=False, depth_pairing="halves", depth_scaling=depth_scaling)
         set_tensor_model_parallel_size(coarse_tp)
         set_seed(5)
         coarse = _engine(build_model(lm.coarse), coarse_stage)
         losses = [_train_step(coarse, lm.coarse, seed=1), _train_step(coarse, lm.coarse, seed=2)]
-        moments = {k: _reference_gather(coarse, lm.coarse, k) for k in ("exp_avg", "exp_avg_sq")}
+        moments = {k: _reference_gather(coarse, lm.coarse, k) for k in (None, "exp_avg", "exp_avg_sq")}
         staged = prolong(coarse.module, None, lm, 1.0, coarse_layout=Layout(coarse_tp, coarse_stage),
                          fine_layout=Layout(fine_tp, fine_stage), ds_config=_ds_config(fine_stage, 1),
                          optimizer=coarse.optimizer, map_moments=True)
@@ -412,11 +413,13 @@ def _grow_worker(rank, world, layouts):
     return out
 
 
-def test_growing_carries_the_coarse_moments(tmp_path):
+@pytest.mark.parametrize("depth_scaling", ["none", "identity"])
+def test_growing_carries_the_coarse_moments(tmp_path, depth_scaling):
     # (coarse TP, coarse ZeRO stage, fine TP, fine ZeRO stage)
-    (one,) = run_ranks(_grow_worker, 1, tmp_path / "one", [(1, 0, 1, 0)])
-    two = run_ranks(_grow_worker, 2, tmp_path / "two", [(1, 3, 1, 3), (2, 0, 1, 1)])
+    (one,) = run_ranks(_grow_worker, 1, tmp_path / "one", [(1, 0, 1, 0)], depth_scaling)
+    two = run_ranks(_grow_worker, 2, tmp_path / "two", [(1, 3, 1, 3), (2, 0, 1, 1), (2, 0, 2, 0)], depth_scaling)
     for result in one + two[0] + two[1]:
+        assert set(result["diffs"]) == {None, "exp_avg", "exp_avg_sq"}
         assert all(d < 1e-6 for d in result["diffs"].values()), result["diffs"]
         assert result["steps"] == {2.0}  # Adam's bias correction continues from the coarse steps
         assert result["losses"] == pytest.approx(one[0]["losses"], abs=2e-5)

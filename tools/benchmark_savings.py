@@ -376,8 +376,8 @@ def main(argv=None) -> int:
                    help="the fine level's peak learning rate after a return, times the fine rate")
     p.add_argument("--budget", choices=["flops", "tokens"], default="flops",
                    help="what every method gets as much of as training from scratch")
-    p.add_argument("--depth-scaling", "--depth_scaling", choices=["none", "ode"], default="none",
-                   help="depth operators of the cycles (and stacking): the paper's, or ODE Euler steps")
+    p.add_argument("--depth-scaling", "--depth_scaling", choices=["none", "ode", "identity"], default="none",
+                   help="depth operators of the cycles (and stacking): the paper's, ODE Euler steps, or ODE with function-preserving growth (identity)")
     p.add_argument("--depth-pairing", "--depth_pairing", choices=["adjacent", "halves"], default="adjacent",
                    help="which fine layers a coarse layer stands for (halves: what stacking does)")
     p.add_argument("--shape", choices=["width+depth", "width", "depth"], default="width+depth",

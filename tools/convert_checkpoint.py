@@ -51,7 +51,7 @@ def parse_args(argv=None):
     c.add_argument("--no-depth", "--no_depth", dest="depth", action="store_false")
     c.add_argument("--width-pairing", "--width_pairing", choices=["halves", "adjacent"], default="halves")
     c.add_argument("--depth-pairing", "--depth_pairing", choices=["adjacent", "halves"], default="adjacent")
-    c.add_argument("--depth-scaling", "--depth_scaling", choices=["none", "ode"], default="none")
+    c.add_argument("--depth-scaling", "--depth_scaling", choices=["none", "ode", "identity"], default="none")
     c.add_argument("--tensor-model-parallel-size", "--tensor_model_parallel_size", type=int, default=1,
                    help="pair units inside the shards of this TP size")
     c = command("decoalesce", "a coalesced checkpoint -> the finer model (with the grouping it records)")

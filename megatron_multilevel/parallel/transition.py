@@ -35,6 +35,7 @@ from megatron_multilevel.operators import (
     decoalesce_layer,
     decoalesce_model_params,
     depth_groups,
+    group_member,
     interpolate,
 )
 from megatron_multilevel.parallel.streams import (
@@ -352,14 +353,15 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
         fine_of.setdefault(coarse_layer_of(level_map, j), []).append(j)
     for k in sorted(fine_of):
         for name in coarse_reader.layer_names:
-            decoalesced = decoalesce_layer(coarse_reader.read_layer(k, [name]), level_map)
+            coarse = coarse_reader.read_layer(k, [name])
             for j in fine_of[k]:
-                if before_reader is None:  # growing (alpha 1); a copy per fine layer: the writer adopts tensors
-                    values = {n: t.clone() for n, t in decoalesced.items()}
+                decoalesced = decoalesce_layer(coarse, level_map, group_member(level_map, j))
+                if before_reader is None:  # growing (alpha 1)
+                    values = decoalesced
                 else:
                     values = interpolate(before_reader.read_layer(j, [name]), decoalesced, alpha)
                 writer.write_layer(j, _perturb(values, perturbation_std, seed, writer, j))
-            del decoalesced
+            del coarse
 
 
 def _copy_stream(reader, writer, num_layers: int, *, cfg: Optional[ModelConfig] = None) -> None:
