@@ -35,6 +35,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+from megatron_multilevel.level_maps import DEPTH_SCALINGS  # noqa: E402
 
 SIZES = {
     # The pilot's model, on sequences of 64 tokens to fit the CPU budget.
@@ -121,8 +122,9 @@ def variants(args, base: dict) -> dict[str, dict]:
         out["vcycle2-paper"] = methods(ea=0.05, coarse_share=0.5, depth_scaling="none", shape="width+depth",
                                        depth_pairing="adjacent")["vcycle2"]
     if args.compare_depth_scaling:
-        other = "none" if args.depth_scaling == "ode" else "ode"
-        out[f"{cycles[0]}-{other}"] = methods(depth_scaling=other)[cycles[0]]
+        for other in DEPTH_SCALINGS:
+            if other != args.depth_scaling:
+                out[f"{cycles[0]}-{other}"] = methods(depth_scaling=other)[cycles[0]]
     for shape in args.extra_shapes:
         if shape != args.shape:
             for name in cycles:
@@ -376,7 +378,7 @@ def main(argv=None) -> int:
                    help="the fine level's peak learning rate after a return, times the fine rate")
     p.add_argument("--budget", choices=["flops", "tokens"], default="flops",
                    help="what every method gets as much of as training from scratch")
-    p.add_argument("--depth-scaling", "--depth_scaling", choices=["none", "ode", "identity"], default="none",
+    p.add_argument("--depth-scaling", "--depth_scaling", choices=DEPTH_SCALINGS, default="none",
                    help="depth operators of the cycles (and stacking): the paper's, ODE Euler steps, or ODE with function-preserving growth (identity)")
     p.add_argument("--depth-pairing", "--depth_pairing", choices=["adjacent", "halves"], default="adjacent",
                    help="which fine layers a coarse layer stands for (halves: what stacking does)")
@@ -385,7 +387,7 @@ def main(argv=None) -> int:
     p.add_argument("--extra-shapes", "--extra_shapes", nargs="*", default=[], choices=["width+depth", "width", "depth"],
                    help="also every chosen cycle coalescing these")
     p.add_argument("--compare-depth-scaling", "--compare_depth_scaling", action="store_true",
-                   help="also the first chosen cycle with the other depth scaling")
+                   help="also the first chosen cycle with each other depth scaling")
     p.add_argument("--ode", nargs="*", default=[], metavar="KEY=VALUE",
                    help="ode2: keys of its multilevel.ode block, e.g. coherence=none cycles=8 optimizer_state=map")
     p.add_argument("--perturbation", type=float, default=0.0, help="multilevel.perturbation_std of the cycles")
