@@ -1,4 +1,5 @@
-"""Width de-coalescing preserves the function exactly (up to float rounding); depth does not."""
+"""Width de-coalescing preserves the function exactly (up to float rounding); depth does with the
+``identity`` depth scaling only."""
 
 import pytest
 import torch
@@ -71,3 +72,30 @@ def test_depth_decoalescing_is_not_function_preserving():
     a = _logits(lm.coarse, coarse, tokens)
     b = _logits(cfg, decoalesce(coarse, lm), tokens)
     assert (a - b).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("pairing", ["halves", "adjacent"])
+@pytest.mark.parametrize("width", [False, True], ids=["depth", "width+depth"])
+def test_identity_depth_scaling_preserves_logits(variant, pairing, width):
+    cfg = small_config(variant)
+    lm = make_level_map(cfg, width=width, depth_pairing=pairing, depth_scaling="identity")
+    coarse = random_state_dict(lm.coarse, seed=15)
+    tokens = _tokens(cfg)
+    a = _logits(lm.coarse, coarse, tokens)
+    b = _logits(cfg, decoalesce(coarse, lm), tokens)
+    assert a.shape == b.shape and a.abs().max() > 0.1
+    assert (a - b).abs().max().item() < 1e-5
+    # the same coarse model grown with ode scaling computes another function
+    ode = make_level_map(cfg, width=width, depth_pairing=pairing, depth_scaling="ode")
+    assert (a - _logits(cfg, decoalesce(coarse, ode), tokens)).abs().max().item() > 1e-3
+
+
+def test_identity_depth_scaling_over_three_levels_preserves_logits():
+    cfg = small_config("gpt_llama", num_layers=8)
+    maps = make_level_maps(cfg, 3, width=False, depth_pairing="halves", depth_scaling="identity")
+    coarsest = random_state_dict(maps[-1].coarse, seed=16)
+    tokens = _tokens(cfg)
+    a = _logits(maps[-1].coarse, coarsest, tokens)
+    b = _logits(cfg, decoalesce(decoalesce(coarsest, maps[1]), maps[0]), tokens)
+    assert (a - b).abs().max().item() < 1e-5

@@ -142,32 +142,6 @@ def test_ode_depth_scaling_doubles_residual_outputs():
     )
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("pairing", ["adjacent", "halves"])
-def test_identity_depth_scaling_preserves_the_coarse_function(variant, pairing):
-    """De-coalescing depth with ``identity`` scaling: the fine model's logits are the coarse
-    model's (each pair's second layer is the identity), computed by two Megatron models."""
-    from megatron_multilevel.models import build_model, load_parameters, model_logits
-
-    cfg = small_config(variant)
-    lm = make_level_map(cfg, width=False, depth_pairing=pairing, depth_scaling="identity")
-    coarse_sd = random_state_dict(lm.coarse, seed=8)
-    models = {}
-    for role, c, sd in (("coarse", lm.coarse, coarse_sd), ("fine", cfg, decoalesce(coarse_sd, lm))):
-        models[role] = build_model(c).eval()
-        load_parameters(models[role], sd)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = model_logits(models["coarse"], lm.coarse, tokens)
-        got = model_logits(models["fine"], cfg, tokens)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    # the same coarse model de-coalesced with ode scaling computes another function
-    with torch.no_grad():
-        load_parameters(models["fine"], decoalesce(coarse_sd, make_level_map(
-            cfg, width=False, depth_pairing=pairing, depth_scaling="ode")))
-        assert (model_logits(models["fine"], cfg, tokens) - expected).abs().max() > 1e-2
-
-
 def test_identity_depth_scaling_zeroes_the_second_layers_residual_outputs():
     cfg = small_config("gpt_tied")
     lm = make_level_map(cfg, width=False, depth_pairing="halves", depth_scaling="identity")
