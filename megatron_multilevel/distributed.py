@@ -3,8 +3,11 @@
 NCCL on GPU, gloo on CPU. Megatron needs both initialised even for a single process.
 """
 
+import glob
 import os
+import sys
 import tempfile
+import time
 from typing import Optional
 
 import torch
@@ -72,6 +75,8 @@ def init_deepspeed_comm() -> None:
     """
     import deepspeed
 
+    if not torch.cuda.is_available():
+        clear_stale_extension_locks()  # DeepSpeed loads its CPU communication op below
     deepspeed.init_distributed(dist_backend=default_backend())
     if torch.cuda.is_available():
         return  # the segments exist only with DeepSpeed's CPU accelerator
@@ -80,6 +85,36 @@ def init_deepspeed_comm() -> None:
     segment = _deepspeed_shm_segment(dist.get_rank())
     if os.path.exists(segment):
         os.unlink(segment)
+
+
+STALE_LOCK_SECONDS = 600.0
+
+
+def clear_stale_extension_locks(max_age: float = STALE_LOCK_SECONDS) -> list[str]:
+    """Remove the build locks of torch's JIT extensions that a killed process left; return them.
+
+    ``torch.utils.cpp_extension.load`` (with which DeepSpeed builds and loads its CPU communication
+    op at every start) takes a ``lock`` file in the extension's build directory on every load, even
+    when nothing needs building, and only the process that took it removes it. A run killed in that
+    window leaves it behind, and every later run on the machine then waits on it forever, printing
+    nothing. A load holds it for seconds and a build for about a minute, so a lock older than
+    ``max_age`` seconds is stale. torch offers no switch for this.
+    """
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    removed = []
+    for path in glob.glob(os.path.join(root, "*", "lock")):
+        try:
+            if time.time() - os.path.getmtime(path) > max_age:
+                os.unlink(path)
+                removed.append(path)
+        except FileNotFoundError:  # another rank removed it first
+            pass
+    for path in removed:
+        print(f"warning: removed {path}, a build lock left by a killed process {max_age:.0f}+ s ago "
+              f"(every run would have waited on it)", file=sys.stderr)
+    return removed
 
 
 def init_single_process() -> None:
