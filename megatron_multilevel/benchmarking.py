@@ -202,6 +202,8 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
       fine after interpolating with ``alpha``;
     - ``stacking``: progressive stacking, a half-depth model trained from scratch for
       ``coarse_share`` of the steps, its layers stacked to full depth, the rest at full depth;
+    - ``stacking3``: three stages, a quarter-depth model from scratch for half of ``coarse_share``
+      of the steps, stacked to half depth for the other half, then to full depth;
     - ``ode2``: the multilevel ODE strategy (Lauga et al.): ``ode_cycles`` cycles (default 4) of
       ``ea / 2`` of the steps at the fine level, ``coarse_share / ode_cycles`` at the coarse model
       of every other layer (at the fine rate: it is as wide) and ``ea / 2`` at the fine level
@@ -277,6 +279,20 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
             _level(0, fine_lr, steps_after=stack_after, after_peak=after_lr, after_warmup=after_warmup),
             _level(coarse, fine_lr, warmup=warmup),
         ]})
+    # three-stage stacking (as Gong et al. grow BERT 3 -> 6 -> 12 layers): a quarter-depth model
+    # from scratch for half the coarse steps, stacked to half depth for the other half, then to full
+    r3_stack = _flops_ratios(base, {"num_levels": 3, "coalesce_width": False, "coalesce_depth": True})
+    quarter = coarse // 2
+    stack3_after = (steps - coarse if budget == "tokens"
+                    else int(steps - quarter * r3_stack[2] - (coarse - quarter) * r3_stack[1]))
+    stacking3 = config({
+        "enabled": True, "cycle": "grow", "num_levels": 3, "alpha": 1.0, "coalesce_width": False,
+        "coalesce_depth": True, "depth_pairing": "halves", "depth_scaling": depth_scaling,
+        "optimizer_state": optimizer_state, "levels": [
+            _level(0, fine_lr, steps_after=stack3_after, after_peak=after_lr, after_warmup=after_warmup),
+            _level(0, fine_lr, steps_after=coarse - quarter, after_peak=after_lr, after_warmup=after_warmup),
+            _level(quarter, fine_lr, warmup=warmup),
+        ]})
     # W-cycle: two coarse visits of half the coarse steps each, a fine visit of ea_steps between
     half = max(1, coarse // 2)
     wcycle2 = config({**common, "cycle": "w", "num_levels": 2, "levels": [
@@ -297,7 +313,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
                     {"steps": second, "lr": {"peak": coarse_lr, "warmup_steps": 0}}]},
     ]})
     out = {"scratch": scratch, "vcycle2": vcycle2, "vcycle3": vcycle3, "wcycle2": wcycle2, "fcycle2": fcycle2,
-           "stacking": stacking}
+           "stacking": stacking, "stacking3": stacking3}
     if methods is None or "ode2" in methods:
         out["ode2"] = _ode_variant(steps, fine_lr, ea=ea, coarse_share=coarse_share, budget=budget, r=r_stack[1],
                                    ode=ode, config=config)

@@ -97,7 +97,7 @@ def _phase_steps(cfg):
 
 def test_budget_compression_keeps_the_phases_proportions():
     configs = variant_configs(BASE, steps=400, fine_lr=1e-3, ea=0.1)
-    for name in ("scratch", "vcycle2", "vcycle3", "stacking", "ode2"):
+    for name in ("scratch", "vcycle2", "vcycle3", "stacking", "stacking3", "ode2"):
         full = _phase_steps(configs[name])
         half = _phase_steps(compress(configs[name], 0.5))
         assert half == [round(s / 2) for s in full], name
@@ -139,12 +139,19 @@ BASE = {"train_batch_size": 8, "model": {"num_layers": 8, "hidden_size": 64, "nu
 
 
 def test_variants_share_the_token_budget():
+    from megatron_multilevel.training.schedule import build_phases
+
     configs = variant_configs(BASE, steps=100, fine_lr=1e-3, budget="tokens")
     assert {name: _budget(cfg)[0] for name, cfg in configs.items()} == {
-        "scratch": 100, "vcycle2": 100, "vcycle3": 100, "wcycle2": 100, "fcycle2": 100, "stacking": 100, "ode2": 100}
+        "scratch": 100, "vcycle2": 100, "vcycle3": 100, "wcycle2": 100, "fcycle2": 100, "stacking": 100,
+        "stacking3": 100, "ode2": 100}
     stack = load_config(configs["stacking"])
     assert stack.multilevel.cycle == "grow" and stack.level_models()[1].num_layers == 4
     assert stack.level_models()[1].hidden_size == 64
+    stack3 = load_config(configs["stacking3"])
+    assert [m.num_layers for m in stack3.level_models()] == [8, 4, 2]
+    assert [p.level for p in build_phases(stack3)] == [2, 1, 0]
+    assert [p.steps for p in build_phases(stack3)] == [25, 25, 50]  # half the coarse share each
 
 
 def test_variants_share_the_flops_budget():

@@ -112,7 +112,7 @@ def variants(args, base: dict) -> dict[str, dict]:
     main = methods()
     for name in args.methods:
         out[name] = main[name]
-    cycles = [name for name in args.methods if name != "stacking"] or ["vcycle2"]
+    cycles = [name for name in args.methods if not name.startswith("stacking")] or ["vcycle2"]
     sweeps = [("alpha", a, dict(alpha=a)) for a in args.alpha[1:]]
     sweeps += [("ea", e, dict(ea=e)) for e in args.ea[1:]]
     sweeps += [("coarse", c, dict(coarse_share=c)) for c in args.coarse_share[1:]]
@@ -452,7 +452,7 @@ def main(argv=None) -> int:
     return 0
 
 
-METHODS = ["vcycle2", "vcycle3", "wcycle2", "fcycle2", "stacking", "ode2"]
+METHODS = ["vcycle2", "vcycle3", "wcycle2", "fcycle2", "stacking", "stacking3", "ode2"]
 
 
 def _reusable(path: str, version: str, config: dict) -> bool:
