@@ -25,15 +25,18 @@ def _tokens(cfg):
     return torch.randint(0, cfg.vocab_size, (2, cfg.max_sequence_length), generator=torch.Generator().manual_seed(0))
 
 
+def _grown_logits(cfg, lm, seed):
+    """Logits of a random coarse model of ``lm`` and of the fine model de-coalesced from it."""
+    coarse = random_state_dict(lm.coarse, seed=seed)
+    tokens = _tokens(cfg)
+    return _logits(lm.coarse, coarse, tokens), _logits(cfg, decoalesce(coarse, lm), tokens)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("pairing", ["halves", "adjacent"])
 def test_width_decoalescing_preserves_logits(variant, pairing):
     cfg = small_config(variant)
-    lm = make_level_map(cfg, depth=False, width_pairing=pairing)
-    coarse = random_state_dict(lm.coarse, seed=11)
-    tokens = _tokens(cfg)
-    a = _logits(lm.coarse, coarse, tokens)
-    b = _logits(cfg, decoalesce(coarse, lm), tokens)
+    a, b = _grown_logits(cfg, make_level_map(cfg, depth=False, width_pairing=pairing), seed=11)
     assert a.shape == b.shape and a.abs().max() > 0.1
     assert (a - b).abs().max().item() < 1e-5
 
@@ -66,11 +69,7 @@ def test_width_decoalescing_over_three_levels_preserves_logits():
 
 def test_depth_decoalescing_is_not_function_preserving():
     cfg = small_config("gpt_tied")
-    lm = make_level_map(cfg, width=False)
-    coarse = random_state_dict(lm.coarse, seed=14)
-    tokens = _tokens(cfg)
-    a = _logits(lm.coarse, coarse, tokens)
-    b = _logits(cfg, decoalesce(coarse, lm), tokens)
+    a, b = _grown_logits(cfg, make_level_map(cfg, width=False), seed=14)
     assert (a - b).abs().max().item() > 1e-3
 
 
@@ -79,16 +78,12 @@ def test_depth_decoalescing_is_not_function_preserving():
 @pytest.mark.parametrize("width", [False, True], ids=["depth", "width+depth"])
 def test_identity_depth_scaling_preserves_logits(variant, pairing, width):
     cfg = small_config(variant)
-    lm = make_level_map(cfg, width=width, depth_pairing=pairing, depth_scaling="identity")
-    coarse = random_state_dict(lm.coarse, seed=15)
-    tokens = _tokens(cfg)
-    a = _logits(lm.coarse, coarse, tokens)
-    b = _logits(cfg, decoalesce(coarse, lm), tokens)
+    a, b = _grown_logits(cfg, make_level_map(cfg, width=width, depth_pairing=pairing, depth_scaling="identity"), 15)
     assert a.shape == b.shape and a.abs().max() > 0.1
     assert (a - b).abs().max().item() < 1e-5
     # the same coarse model grown with ode scaling computes another function
-    ode = make_level_map(cfg, width=width, depth_pairing=pairing, depth_scaling="ode")
-    assert (a - _logits(cfg, decoalesce(coarse, ode), tokens)).abs().max().item() > 1e-3
+    _, c = _grown_logits(cfg, make_level_map(cfg, width=width, depth_pairing=pairing, depth_scaling="ode"), 15)
+    assert (a - c).abs().max().item() > 1e-3
 
 
 def test_identity_depth_scaling_over_three_levels_preserves_logits():
