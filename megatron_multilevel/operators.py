@@ -84,7 +84,7 @@ def _map_width(name: str, t: torch.Tensor, rule: ParamRule, level_map: LevelMap,
             out = _copy_partners(out, dim, g)
     if rule.tied_output_norm:
         out = out * (2.0 if coarsen else 0.5)
-    return out.to(t.dtype)
+    return out.to(t.dtype) if out is not t else t.clone()  # always a new tensor
 
 
 def coalesce_tensor(name: str, t: torch.Tensor, rule: ParamRule, level_map: LevelMap) -> torch.Tensor:
@@ -133,7 +133,8 @@ def coalesce_layers(fine_layers: Sequence[Mapping[str, torch.Tensor]], level_map
 def decoalesce_layer(coarse_layer: Mapping[str, torch.Tensor], level_map: LevelMap, member: int = 0) -> StateDict:
     """The fine layer de-coalesced from one coarse layer, as the ``member``-th layer (0 or 1) of its
     depth group (``depth_groups``). Both copy it, but for the residual-branch outputs: halved in
-    each with ``ode`` scaling, kept by the first and zero in the second with ``identity``."""
+    each with ``ode`` scaling, kept by the first and zero in the second with ``identity``. Every
+    tensor returned is new (never one of ``coarse_layer``'s), so each call's layer is independent."""
     assert member in (0, 1) and (member == 0 or level_map.depth), member
     rules = parameter_plan(level_map.fine).layer
     identity = level_map.depth and level_map.depth_scaling == "identity"
@@ -238,8 +239,7 @@ def decoalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap) -> S
         k = coarse_layer_of(level_map, j)
         prefix = layer_prefix(level_map.fine, j)
         fine = decoalesce_layer(layers[k], level_map, group_member(level_map, j))
-        # Copies, so that the fine layers of a group are independent tensors.
-        out.update({prefix + name: t.clone() for name, t in fine.items()})
+        out.update({prefix + name: t for name, t in fine.items()})
     return out
 
 

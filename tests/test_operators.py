@@ -39,6 +39,18 @@ def test_round_trip_is_exact(variant, shape, scaling):
     assert not all(torch.equal(once[k], fine[k]) for k in fine)  # it is a real projection
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("shape", SHAPES, ids=["width+depth", "width", "depth"])
+def test_decoalesced_tensors_share_no_storage(variant, shape):
+    """Every fine tensor is its own (the transitions' writers adopt them), none the coarse one's."""
+    cfg = small_config(variant)
+    lm = make_level_map(cfg, depth_scaling="identity", **shape)
+    coarse = random_state_dict(lm.coarse, seed=10)
+    tensors = list(decoalesce(coarse, lm).values()) + list(coarse.values())
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    assert len(storages) == len(tensors)
+
+
 def test_k_levels_round_trip():
     cfg = small_config("gpt_llama", num_layers=8, hidden_size=128, num_attention_heads=8, num_query_groups=4)
     maps = make_level_maps(cfg, 3, depth_pairing="halves")

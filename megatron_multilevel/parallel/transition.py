@@ -356,7 +356,7 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
             coarse = coarse_reader.read_layer(k, [name])
             for j in fine_of[k]:
                 decoalesced = decoalesce_layer(coarse, level_map, group_member(level_map, j))
-                if before_reader is None:  # growing (alpha 1)
+                if before_reader is None:  # growing (alpha 1); new tensors per fine layer: the writer adopts them
                     values = decoalesced
                 else:
                     values = interpolate(before_reader.read_layer(j, [name]), decoalesced, alpha)
