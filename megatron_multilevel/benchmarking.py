@@ -271,28 +271,29 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
         _level(ea_steps, coarse_lr, steps_after=middle_up, after_peak=coarse_lr, after_warmup=after_warmup),
         _level(coarsest, coarse_lr * narrower),
     ]})
+    def grow(levels: list[dict]) -> dict:
+        """Progressive stacking over ``levels`` (finest first): depth only, at the fine rate."""
+        return config({
+            "enabled": True, "cycle": "grow", "num_levels": len(levels), "alpha": 1.0, "coalesce_width": False,
+            "coalesce_depth": True, "depth_pairing": "halves", "depth_scaling": depth_scaling,
+            "optimizer_state": optimizer_state, "levels": levels})
+
     stack_after = steps - coarse if budget == "tokens" else int(steps - coarse * r_stack[1])
-    stacking = config({
-        "enabled": True, "cycle": "grow", "num_levels": 2, "alpha": 1.0, "coalesce_width": False,
-        "coalesce_depth": True, "depth_pairing": "halves", "depth_scaling": depth_scaling,
-        "optimizer_state": optimizer_state, "levels": [
-            _level(0, fine_lr, steps_after=stack_after, after_peak=after_lr, after_warmup=after_warmup),
-            _level(coarse, fine_lr, warmup=warmup),
-        ]})
+    stacking = grow([
+        _level(0, fine_lr, steps_after=stack_after, after_peak=after_lr, after_warmup=after_warmup),
+        _level(coarse, fine_lr, warmup=warmup),
+    ])
     # three-stage stacking (as Gong et al. grow BERT 3 -> 6 -> 12 layers): a quarter-depth model
     # from scratch for half the coarse steps, stacked to half depth for the other half, then to full
     r3_stack = _flops_ratios(base, {"num_levels": 3, "coalesce_width": False, "coalesce_depth": True})
     quarter = coarse // 2
     stack3_after = (steps - coarse if budget == "tokens"
                     else int(steps - quarter * r3_stack[2] - (coarse - quarter) * r3_stack[1]))
-    stacking3 = config({
-        "enabled": True, "cycle": "grow", "num_levels": 3, "alpha": 1.0, "coalesce_width": False,
-        "coalesce_depth": True, "depth_pairing": "halves", "depth_scaling": depth_scaling,
-        "optimizer_state": optimizer_state, "levels": [
-            _level(0, fine_lr, steps_after=stack3_after, after_peak=after_lr, after_warmup=after_warmup),
-            _level(0, fine_lr, steps_after=coarse - quarter, after_peak=after_lr, after_warmup=after_warmup),
-            _level(quarter, fine_lr, warmup=warmup),
-        ]})
+    stacking3 = grow([
+        _level(0, fine_lr, steps_after=stack3_after, after_peak=after_lr, after_warmup=after_warmup),
+        _level(0, fine_lr, steps_after=coarse - quarter, after_peak=after_lr, after_warmup=after_warmup),
+        _level(quarter, fine_lr, warmup=warmup),
+    ])
     # W-cycle: two coarse visits of half the coarse steps each, a fine visit of ea_steps between
     half = max(1, coarse // 2)
     wcycle2 = config({**common, "cycle": "w", "num_levels": 2, "levels": [
