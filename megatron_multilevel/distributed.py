@@ -75,10 +75,11 @@ def init_deepspeed_comm() -> None:
     """
     import deepspeed
 
-    if not torch.cuda.is_available():
+    cpu = not torch.cuda.is_available()
+    if cpu:
         clear_stale_extension_locks()  # DeepSpeed loads its CPU communication op below
     deepspeed.init_distributed(dist_backend=default_backend())
-    if torch.cuda.is_available():
+    if not cpu:
         return  # the segments exist only with DeepSpeed's CPU accelerator
     if dist.get_world_size() > 1:
         dist.barrier()  # every peer has mapped this rank's segment
