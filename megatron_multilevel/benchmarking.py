@@ -181,7 +181,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
                     after_warmup: int = 20, budget: str = "flops", depth_scaling: str = "none",
                     perturbation_std: float = 0.0, shape: str = "width+depth", depth_pairing: str = "adjacent",
                     fcycle_revisit: float = 0.25, optimizer_state: str = "reset",
-                    after_lr_factor: float = 1.0, ode: "dict | None" = None,
+                    after_lr_factor: float = 1.0, ode: "dict | None" = None, lr_schedule: str = "restart",
                     methods: "Sequence[str] | None" = None) -> dict[str, dict]:
     """Configs of the compared methods: training from scratch for ``steps`` global batches, and
     each other method within the same budget: the same training FLOPs (``budget="flops"``: the
@@ -214,6 +214,9 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     ``after_lr_factor`` scales the fine level's peak learning rate after every return to it
     (and ``after_warmup`` is its warm-up); ``optimizer_state`` is ``multilevel.optimizer_state``
     of the cycles and of stacking (``map``: growing carries the coarse moments, de-coalesced).
+    ``lr_schedule`` is ``multilevel.lr_schedule`` of every method but scratch (``continue``: one
+    schedule over the whole run, each phase at its own peak; the ODE strategy's constant rates in
+    the cycles then follow the run's cosine too).
 
     ``methods`` limits the result to those (and ``scratch``); a method whose schedule does not fit
     the budget is an error only when asked for.
@@ -256,7 +259,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     scratch.setdefault("training", {})["train_steps"] = steps
     scratch["training"]["lr"] = {"peak": fine_lr, "warmup_steps": warmup}
     after_lr = after_lr_factor * fine_lr  # the fine level's peak after a return from a coarser one
-    common = {"enabled": True, **shape, "alpha": alpha, "depth_scaling": depth_scaling,
+    common = {"enabled": True, **shape, "alpha": alpha, "depth_scaling": depth_scaling, "lr_schedule": lr_schedule,
               "depth_pairing": depth_pairing, "perturbation_std": perturbation_std, "optimizer_state": optimizer_state}
     vcycle2 = config({**common, "num_levels": 2, "levels": [
         _level(ea_steps, fine_lr, warmup=warmup, steps_after=after, after_peak=after_lr, after_warmup=after_warmup),
@@ -276,7 +279,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
         return config({
             "enabled": True, "cycle": "grow", "num_levels": len(levels), "alpha": 1.0, "coalesce_width": False,
             "coalesce_depth": True, "depth_pairing": "halves", "depth_scaling": depth_scaling,
-            "optimizer_state": optimizer_state, "levels": levels})
+            "optimizer_state": optimizer_state, "lr_schedule": lr_schedule, "levels": levels})
 
     stack_after = steps - coarse if budget == "tokens" else int(steps - coarse * r_stack[1])
     stacking = grow([
@@ -317,7 +320,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
            "stacking": stacking, "stacking3": stacking3}
     if methods is None or "ode2" in methods:
         out["ode2"] = _ode_variant(steps, fine_lr, ea=ea, coarse_share=coarse_share, budget=budget, r=r_stack[1],
-                                   ode=ode, config=config)
+                                   ode=ode, lr_schedule=lr_schedule, config=config)
     return out if methods is None else {name: cfg for name, cfg in out.items() if name == "scratch" or name in methods}
 
 
@@ -326,7 +329,7 @@ ODE_DEFAULTS = {"coarse": "alternate", "residual_scale": 2, "prolongation": "cor
 
 
 def _ode_variant(steps: int, fine_lr: float, *, ea: float, coarse_share: float, budget: str, r: float,
-                 ode: "dict | None", config) -> dict:
+                 ode: "dict | None", lr_schedule: str, config) -> dict:
     """The ``ode2`` method of :func:`variant_configs` (``r``: a coarse step's FLOPs over a fine one's)."""
     block = {**ODE_DEFAULTS, **(ode or {})}
     cycles = block["cycles"]
@@ -337,10 +340,11 @@ def _ode_variant(steps: int, fine_lr: float, *, ea: float, coarse_share: float, 
     if final <= 0:
         raise ValueError(f"ode2: {cycles} cycles of {smooth} + {coarse} + {smooth} steps leave no fine steps of the "
                          f"{steps}-step budget; give fewer multilevel.ode.cycles or more steps")
-    constant = {"peak": fine_lr, "warmup_steps": 0, "decay": "constant"}
+    # constant rates in the cycles, the final phase decaying as scratch does; or one decay over all
+    constant = {"peak": fine_lr, "warmup_steps": 0, **({} if lr_schedule == "continue" else {"decay": "constant"})}
     block.update(pre_steps=smooth, coarse_steps=coarse, post_steps=smooth, final_steps=final,
                  fine_lr=constant, coarse_lr=dict(constant), final_lr={"peak": fine_lr, "warmup_steps": 0})
-    return config({"enabled": True, "strategy": "ode", "ode": block})
+    return config({"enabled": True, "strategy": "ode", "lr_schedule": lr_schedule, "ode": block})
 
 
 def study_rows(points: dict[str, dict], parameters: dict[str, int]) -> list[dict]:

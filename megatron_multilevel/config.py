@@ -374,6 +374,13 @@ class MultilevelConfig:
     keep_fine: Literal["memory", "cpu", "disk"] = "memory"
     """Where the fine model is kept for interpolation while coarser levels train: sharded on the
     device, in host memory, or on disk under the run directory."""
+    lr_schedule: Literal["restart", "continue"] = "restart"
+    """``restart``: every phase runs its own schedule, warm-up and decay over its own steps (the
+    paper's choice). ``continue``: the run follows one schedule over all its steps, as training
+    from scratch does: the first phase's warm-up, then one decay to the end of the last phase; each
+    phase keeps its own peak (a coarse level's learning-rate factor), and the warm-up of a later
+    phase becomes a re-warm-up, a linear ramp to where the run's schedule stands. Every phase must
+    then name the same ``decay`` and ``min_ratio``. Both strategies."""
 
     def __post_init__(self):
         if self.strategy == "ode":

@@ -2,6 +2,7 @@
 two nodes on localhost, and bad input failing fast."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -171,8 +172,13 @@ def test_w_cycle_resume_after_kill(w_reference, corpus, tmp_path, crash_at):
 
 def test_f_cycle(corpus, tmp_path):
     """Full multigrid over 2 levels, mapping AdamW's moments: the first arrival at the fine level
-    grows it (alpha 1, AdamW afresh), the second interpolates and maps."""
-    config = _config(tmp_path, corpus, "run", multilevel={"cycle": "f", "optimizer_state": "map"})
+    grows it (alpha 1, AdamW afresh), the second interpolates and maps. On one learning-rate
+    schedule over the run (``lr_schedule = "continue"``): the rate each step applied, as the
+    optimizer held it, is the run-wide cosine at each level's peak, with the fine level's warm-ups
+    as re-warm-ups."""
+    config = _config(tmp_path, corpus, "run", multilevel={"cycle": "f", "optimizer_state": "map",
+                                                          "lr_schedule": "continue"},
+                     training={"log_interval": 1})
     out = _ok(launch(config)).stdout
     phases = json.loads((tmp_path / "run" / "summary.json").read_text())["phases"]
     assert [p["level"] for p in phases] == [1, 0, 1, 0]
@@ -181,6 +187,14 @@ def test_f_cycle(corpus, tmp_path):
     assert out.index("level 1 -> 0: de-coalesced and interpolated (alpha 0.5)") > grown
     valid = records(tmp_path / "run", "valid")
     assert valid[-1]["loss"] < valid[0]["loss"] - 0.3
+    # 18 steps, no warm-up in the first phase (the coarsest's): 0.1 + 0.45 (1 + cos(pi g / 18));
+    # peaks 4e-3 (coarse) and 2e-3 (fine); the fine phases' warm-ups of 2 and 1 steps ramp to it
+    cosine = [0.1 + 0.45 * (1 + math.cos(math.pi * g / 18)) for g in range(18)]
+    peaks = [4e-3] * 5 + [2e-3] * 3 + [4e-3] * 5 + [2e-3] * 5
+    ramps = [1.0] * 5 + [0.5, 1.0, 1.0] + [1.0] * 10
+    train = records(tmp_path / "run", "train")
+    assert [r["global_step"] for r in train] == list(range(1, 19))
+    assert [r["lr"] for r in train] == pytest.approx([c * p * r for c, p, r in zip(cosine, peaks, ramps)], rel=1e-6)
 
 
 def test_two_processes_with_changing_layouts(reference, corpus, tmp_path):

@@ -278,6 +278,27 @@ def test_ode_variant_schedule():
         load_config(variant_configs(BASE, steps=400, fine_lr=1e-3, ode={"coherence": "second"})["ode2"])
 
 
+def test_variants_on_one_schedule():
+    """``lr_schedule="continue"``: every method but scratch runs one schedule over its run, and
+    every config builds (the ODE strategy's cycles then decay with the run instead of staying
+    constant, so its phases agree on one decay)."""
+    from megatron_multilevel.training.schedule import build_phases
+
+    configs = variant_configs(BASE, steps=400, fine_lr=1e-3, ea=0.1, lr_schedule="continue")
+    assert "lr_schedule" not in configs["scratch"]["multilevel"]
+    for name, cfg in configs.items():
+        if name == "scratch":
+            continue
+        phases = build_phases(load_config(cfg))
+        assert load_config(cfg).multilevel.lr_schedule == "continue", name
+        assert [p.run_schedule[0] for p in phases] == [sum(q.steps for q in phases[:i]) for i in range(len(phases))]
+        # the last step of the run is at the floor of its cosine
+        last = [p for p in phases if p.steps][-1]
+        assert last.lr_factor(last.steps - 1) == pytest.approx(0.1, abs=2e-4), name
+    assert load_config(configs["ode2"]).multilevel.ode.fine_lr.decay == "cosine"
+    assert load_config(variant_configs(BASE, steps=400, fine_lr=1e-3)["fcycle2"]).multilevel.lr_schedule == "restart"
+
+
 def test_a_kept_run_is_reused_from_another_checkout_only(tmp_path):
     tool = _tool()
     config = {"training": {"output_dir": "/a/runs/x", "lr": {"peak": 1e-3}},

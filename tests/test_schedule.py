@@ -1,6 +1,7 @@
 """The phase lists of every cycle, the steps and schedule of each visit, and the learning rate."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -162,3 +163,60 @@ def test_lr_factor_by_hand():
     assert lr_factor(10, 10, LRConfig(decay="cosine", min_ratio=0.0)) == pytest.approx(0.0)
     # a cosine with no warm-up starts at the peak: step 0 is progress 0
     assert lr_factor(0, 10, LRConfig(decay="cosine")) == 1.0
+
+
+def _run_cosine(step: int, total: int, warmup: int = 0, min_ratio: float = 0.1) -> float:
+    """The run-wide schedule worked out by hand: linear warm-up, then cosine to ``min_ratio``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+
+
+def _grow_levels(fine_warmup: int = 0, **fine_lr) -> list[dict]:
+    return [{"steps_after": 6, "lr_after": {"peak": 1.0, "warmup_steps": fine_warmup, **fine_lr}},
+            {"steps_before": 6, "lr_before": {"peak": 3.0, "warmup_steps": 2}}]
+
+
+def test_continued_schedule_runs_once_over_the_run():
+    """``lr_schedule = "continue"``: the 12 steps of a grown run follow one cosine (the first
+    phase's warm-up of 2, min_ratio 0.1), each phase at its own peak; ``restart`` starts again."""
+    coarse, fine = build_phases(_config("grow", 2, _grow_levels(), alpha=1.0, lr_schedule="continue"))
+    expected = [_run_cosine(g, 12, warmup=2) for g in range(12)]
+    assert [coarse.lr_factor(s) for s in range(6)] == pytest.approx(expected[:6])
+    assert [fine.lr_factor(s) for s in range(6)] == pytest.approx(expected[6:])
+    assert (coarse.lr.peak, fine.lr.peak) == (3.0, 1.0)
+    # step 7 of the run by hand: progress 5/10, cos(pi/2) = 0: 0.1 + 0.9 / 2
+    assert fine.lr_factor(1) == pytest.approx(0.55)
+    # the fine phase starts where the coarse one ended, not at the peak again
+    assert fine.lr_factor(0) < coarse.lr_factor(2)
+    coarse, fine = build_phases(_config("grow", 2, _grow_levels(), alpha=1.0))
+    assert [fine.lr_factor(s) for s in range(6)] == pytest.approx([_run_cosine(s, 6) for s in range(6)])
+
+
+def test_continued_schedule_rewarms_later_phases():
+    """A later phase's warm-up is a ramp to where the run's schedule stands."""
+    _, fine = build_phases(_config("grow", 2, _grow_levels(fine_warmup=3), alpha=1.0, lr_schedule="continue"))
+    expected = [_run_cosine(g, 12, warmup=2) for g in range(6, 12)]
+    assert [fine.lr_factor(s) for s in range(6)] == pytest.approx(
+        [expected[0] / 3, expected[1] * 2 / 3] + expected[2:])
+
+
+def test_continued_schedule_with_equal_peaks_is_the_scratch_schedule():
+    """Every level at one peak, no re-warm-up: the F-cycle's rates, step by step, are those of
+    training from scratch for as many steps."""
+    levels = [{"steps_before": 3, "lr_before": {"peak": 0.5}, "steps_after": 7, "lr_after": {"peak": 0.5}},
+              {"visits": [{"steps": 8, "lr": {"peak": 0.5, "warmup_steps": 4}}, {"steps": 2, "lr": {"peak": 0.5}}]}]
+    phases = build_phases(_config("f", 2, levels, lr_schedule="continue"))
+    assert [p.steps for p in phases] == [8, 3, 2, 7]
+    rates = [p.lr.peak * p.lr_factor(s) for p in phases for s in range(p.steps)]
+    (scratch,) = build_phases(load_config({"training": {"train_steps": 20, "lr": {"peak": 0.5, "warmup_steps": 4}}}))
+    assert rates == pytest.approx([0.5 * scratch.lr_factor(g) for g in range(20)])
+    assert rates == pytest.approx([0.5 * _run_cosine(g, 20, warmup=4) for g in range(20)])
+
+
+def test_continued_schedule_needs_one_decay():
+    with pytest.raises(ValueError, match=r'lr_schedule = "continue".*phase 1 \(after, level 0\) has decay '
+                                         r"'linear'.*valid choices: restart, continue"):
+        build_phases(_config("grow", 2, _grow_levels(decay="linear"), alpha=1.0, lr_schedule="continue"))
+    with pytest.raises(ValueError, match=r"multilevel.lr_schedule.*valid choices"):
+        _config("grow", 2, _grow_levels(), alpha=1.0, lr_schedule="cosine")

@@ -102,7 +102,7 @@ def variants(args, base: dict) -> dict[str, dict]:
     given = dict(fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
                  depth_scaling=args.depth_scaling, shape=args.shape, depth_pairing=args.depth_pairing,
                  fcycle_revisit=args.fcycle_revisit, optimizer_state=args.optimizer_state,
-                 after_lr_factor=args.after_lr_factor, ode=ode_overrides(args.ode),
+                 after_lr_factor=args.after_lr_factor, ode=ode_overrides(args.ode), lr_schedule=args.lr_schedule,
                  methods=[m for m in METHODS if m != "ode2" or m in args.methods], **common)
 
     def methods(**change) -> dict[str, dict]:
@@ -376,6 +376,9 @@ def main(argv=None) -> int:
                    help="warm-up steps of the fine level after a return (default: 4%% of the steps)")
     p.add_argument("--after-lr-factor", "--after_lr_factor", type=float, default=1.0,
                    help="the fine level's peak learning rate after a return, times the fine rate")
+    p.add_argument("--lr-schedule", "--lr_schedule", choices=["restart", "continue"], default="restart",
+                   help="learning rate over the phases of every method but scratch: restarted at every phase "
+                        "(the paper) or one schedule over the whole run (multilevel.lr_schedule)")
     p.add_argument("--budget", choices=["flops", "tokens"], default="flops",
                    help="what every method gets as much of as training from scratch")
     p.add_argument("--depth-scaling", "--depth_scaling", choices=DEPTH_SCALINGS, default="none",

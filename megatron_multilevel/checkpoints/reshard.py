@@ -41,7 +41,7 @@ def _rank_worker(rank, world, config_dict, out, items, tokens):
     from megatron_multilevel.parallel.transition import _copy_stream
     from megatron_multilevel.training import checkpoint
     from megatron_multilevel.training.engines import LevelEngines
-    from megatron_multilevel.training.schedule import build_phases, lr_factor
+    from megatron_multilevel.training.schedule import build_phases
 
     cfg = load_config(config_dict)
     levels = LevelEngines(cfg, world)
@@ -54,8 +54,7 @@ def _rank_worker(rank, world, config_dict, out, items, tokens):
         model = levels.build_empty_model(phase.level)
         _copy_stream(TensorsReader(item["tensors"], model_cfg), ModelWriter(model, model_cfg, Groups.current()),
                      model_cfg.num_layers)
-        factor = lambda s, phase=phase: lr_factor(s, phase.steps, phase.lr)  # noqa: E731
-        engine = levels.engine(model, phase.level, phase.lr.peak, factor)
+        engine = levels.engine(model, phase.level, phase.lr.peak, phase.lr_factor)
         engine.lr_scheduler.last_epoch = state.step - 1
         engine.lr_scheduler.step()  # the schedule continues where the run stood
         checkpoint.save(engine, out, state, meta=item["meta"], extra=functools.partial(_copy_extra, item["path"]))

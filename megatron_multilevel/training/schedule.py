@@ -12,10 +12,12 @@ trains, then every level is de-coalesced back in turn and trains ``steps_after``
 cycle is the way up only: the coarsest level from scratch, then each finer one. W- and
 F-cycles use the same rule: a visit that ends by coalescing trains ``steps_before``, the
 coarsest level always does, every other visit trains ``steps_after``; ``levels[i].visits``
-replaces the rule. AdamW and the learning-rate schedule restart at every phase (the paper's
-choice).
+replaces the rule. AdamW restarts at every phase unless ``optimizer_state = "map"`` carries its
+moments; the learning-rate schedule restarts at every phase (the paper's choice) or, with
+``multilevel.lr_schedule = "continue"``, runs once over the whole run (``Phase.lr_factor``).
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -48,14 +50,52 @@ class Phase:
     """ODE strategy: the cycle the phase belongs to (None for the final phase)."""
     parity: Optional[int] = None
     """ODE strategy, coarse phases: the fine layers the coarse model keeps (0 even, 1 odd)."""
+    run_schedule: Optional[tuple[int, int, LRConfig]] = None
+    """With ``multilevel.lr_schedule = "continue"``: the steps of the run before this phase, the
+    steps of the whole run and the run's schedule (its peak unused); None: the phase's own."""
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of ``lr.peak`` at ``step`` (0-based) of this phase."""
+        if self.run_schedule is None:
+            return lr_factor(step, self.steps, self.lr)
+        before, total, run = self.run_schedule
+        factor = lr_factor(before + step, total, run)
+        if before and self.lr.warmup_steps and step < self.lr.warmup_steps:
+            factor *= (step + 1) / self.lr.warmup_steps  # a re-warm-up to where the run stands
+        return factor
 
 
 def build_phases(cfg: RunConfig) -> list[Phase]:
     ml = cfg.multilevel
     if not ml.enabled:
         return [Phase(0, 0, cfg.training.train_steps, cfg.training.lr, "scratch", visit=0, arrival="fresh")]
-    if ml.strategy == "ode":
-        return _ode_phases(ml.ode)
+    phases = _ode_phases(ml.ode) if ml.strategy == "ode" else _cycle_phases(ml)
+    return _continued(phases) if ml.lr_schedule == "continue" else phases
+
+
+def _continued(phases: list[Phase]) -> list[Phase]:
+    """``phases`` on one learning-rate schedule over all their steps: the warm-up of the first
+    phase that trains, one decay to the end of the last."""
+    trained = [p for p in phases if p.steps]
+    assert trained, "a multilevel run trains"
+    first = trained[0].lr
+    for p in trained[1:]:
+        if (p.lr.decay, p.lr.min_ratio) != (first.decay, first.min_ratio):
+            raise ValueError(
+                f"multilevel.lr_schedule = \"continue\" runs one schedule over the whole run, so every phase "
+                f"needs the same lr decay and min_ratio: the first phase (level {trained[0].level}) has "
+                f"decay {first.decay!r}, min_ratio {first.min_ratio}; phase {p.index} ({p.name}, level "
+                f"{p.level}) has decay {p.lr.decay!r}, min_ratio {p.lr.min_ratio}. Make them equal, or use "
+                f"lr_schedule \"restart\" (valid choices: restart, continue)"
+            )
+    total, before, out = sum(p.steps for p in phases), 0, []
+    for p in phases:
+        out.append(dataclasses.replace(p, run_schedule=(before, total, first)))
+        before += p.steps
+    return out
+
+
+def _cycle_phases(ml) -> list[Phase]:
     walk = ml.walk()
     coarsest = ml.num_levels - 1
     phases, coalesced = [], set()

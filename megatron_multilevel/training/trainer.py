@@ -29,7 +29,7 @@ from megatron_multilevel.training.engines import LevelEngines
 from megatron_multilevel.training.flops import flops_per_token
 from megatron_multilevel.training.metrics import Metrics
 from megatron_multilevel.training.ode_cycle import OdeCycle
-from megatron_multilevel.training.schedule import Phase, build_phases, lr_factor, schedule_signature
+from megatron_multilevel.training.schedule import Phase, build_phases, schedule_signature
 
 
 class TrainingError(RuntimeError):
@@ -129,7 +129,7 @@ class Trainer:
         return os.path.join(self.run_dir, "snapshots", f"level{level}")
 
     def _engine(self, model, phase: Phase):
-        return self.levels.engine(model, phase.level, phase.lr.peak, lambda s: lr_factor(s, phase.steps, phase.lr))
+        return self.levels.engine(model, phase.level, phase.lr.peak, phase.lr_factor)
 
     # ---------------------------------------------------------------- training
     def _batch(self, dataset, level: int, step: int, micro: int) -> Batch:
@@ -212,6 +212,7 @@ class Trainer:
         step_flops = flops_per_token(level_cfg, self.seq) * self.tokens_per_step
         window, window_start, timed = state.log_window, time.perf_counter(), 0
         while state.step < phase.steps:
+            lr = self.engine.get_lr()[0]  # the rate this step applies, as the optimizer holds it
             t0 = time.perf_counter()
             loss = self._train_step(phase.level, state.global_step)
             c["train_seconds"] += time.perf_counter() - t0
@@ -225,7 +226,6 @@ class Trainer:
             if state.step % t.log_interval == 0 or state.step == phase.steps:
                 self._phase_row(phase)["train_loss"] = sum(window) / len(window)
                 elapsed = time.perf_counter() - window_start
-                lr = phase.lr.peak * lr_factor(state.step - 1, phase.steps, phase.lr)
                 tps = timed * self.tokens_per_step / max(elapsed, 1e-9)
                 self.metrics.record(
                     "train", level=phase.level, phase=phase.index, step=state.step, global_step=state.global_step,
