@@ -182,7 +182,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
                     perturbation_std: float = 0.0, shape: str = "width+depth", depth_pairing: str = "adjacent",
                     fcycle_revisit: float = 0.25, optimizer_state: str = "reset",
                     after_lr_factor: float = 1.0, ode: "dict | None" = None, lr_schedule: str = "restart",
-                    methods: "Sequence[str] | None" = None) -> dict[str, dict]:
+                    interpolation: str = "blend", methods: "Sequence[str] | None" = None) -> dict[str, dict]:
     """Configs of the compared methods: training from scratch for ``steps`` global batches, and
     each other method within the same budget: the same training FLOPs (``budget="flops"``: the
     cheaper steps of coarse levels buy more steps at the fine level) or the same tokens
@@ -214,6 +214,8 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     ``after_lr_factor`` scales the fine level's peak learning rate after every return to it
     (and ``after_warmup`` is its warm-up); ``optimizer_state`` is ``multilevel.optimizer_state``
     of the cycles and of stacking (``map``: growing carries the coarse moments, de-coalesced).
+    ``interpolation`` is ``multilevel.interpolation`` of the cycles (``correction``: a return adds
+    the coarse change to the fine model instead of blending with it; growth is the same).
     ``lr_schedule`` is ``multilevel.lr_schedule`` of every method but scratch (``continue``: one
     schedule over the whole run, each phase at its own peak; the ODE strategy's constant rates in
     the cycles then follow the run's cosine too).
@@ -260,6 +262,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     scratch["training"]["lr"] = {"peak": fine_lr, "warmup_steps": warmup}
     after_lr = after_lr_factor * fine_lr  # the fine level's peak after a return from a coarser one
     common = {"enabled": True, **shape, "alpha": alpha, "depth_scaling": depth_scaling, "lr_schedule": lr_schedule,
+              "interpolation": interpolation,
               "depth_pairing": depth_pairing, "perturbation_std": perturbation_std, "optimizer_state": optimizer_state}
     vcycle2 = config({**common, "num_levels": 2, "levels": [
         _level(ea_steps, fine_lr, warmup=warmup, steps_after=after, after_peak=after_lr, after_warmup=after_warmup),

@@ -314,7 +314,8 @@ RESIDUAL_SCALES = (1, 2)
 STRATEGIES = ("coalesce", "ode")
 # MultilevelConfig keys that only the coalesce strategy reads (keep_fine and enabled serve both).
 COALESCE_ONLY_KEYS = ("num_levels", "coalesce_width", "coalesce_depth", "width_pairing", "depth_pairing",
-                      "depth_scaling", "alpha", "cycle", "levels", "optimizer_state", "perturbation_std")
+                      "depth_scaling", "alpha", "interpolation", "cycle", "levels", "optimizer_state",
+                      "perturbation_std")
 
 
 @dataclass
@@ -347,7 +348,17 @@ class MultilevelConfig:
     outputs zero, the rest copied): the de-coalesced model computes exactly the coarse model's
     function (function-preserving growth, as Net2Net's deeper networks)."""
     alpha: float = 0.5
-    """Interpolation weight of the de-coalesced model: ``(1 - alpha) * before + alpha * decoalesced``."""
+    """Interpolation weight of the de-coalesced model: ``(1 - alpha) * before + alpha * decoalesced``
+    (with ``interpolation = "correction"``: the step size of the coarse correction)."""
+    interpolation: Literal["blend", "correction"] = "blend"
+    """How a return to a finer level meets the model kept from before coalescing: ``blend`` (the
+    paper) takes ``(1 - alpha) * before + alpha * decoalesce(coarse)``; ``correction`` (the coarse-grid
+    correction of multigrid's full approximation scheme) adds the coarse model's change over its
+    visit, de-coalesced, to the model before: ``before + alpha * (decoalesce(coarse) -
+    decoalesce(coalesce(before)))``, so the fine model keeps what coalescing averages away (the
+    differences between the layers of a pair, between paired units) and a coarse visit that
+    changes nothing returns it exactly. Optimizer moments mapped back are blended either way.
+    Growing a level (nothing before it) is the same in both."""
     cycle: Literal["v", "w", "f", "grow"] = "v"
     """The walk over the levels (0 = fine). ``v``: the V-cycle, coalesce down from the fine model,
     then back up (levels 0 1 0; 3 levels: 0 1 2 1 0). ``w``: the W-cycle (gamma 2): every level

@@ -267,6 +267,40 @@ def interpolate(
     return out
 
 
+def correct(
+    fine_before: Mapping[str, torch.Tensor], decoalesced_end: Mapping[str, torch.Tensor],
+    decoalesced_start: Mapping[str, torch.Tensor], alpha: float,
+) -> StateDict:
+    """``fine_before + alpha * (decoalesced_end - decoalesced_start)``, parameter by parameter: the
+    coarse-grid correction of multigrid (the full approximation scheme). The coarse model's change
+    over its visit, de-coalesced, is added to the fine model it was coalesced from, whose own
+    detail (what coalescing averages away) is kept, where interpolation keeps only ``1 - alpha``
+    of it. A coarse visit that changes nothing returns ``fine_before`` exactly."""
+    check_alpha(alpha)
+    names = [n for n in fine_before if not is_metadata(n)]
+    for other in (decoalesced_end, decoalesced_start):
+        if set(names) != {n for n in other if not is_metadata(n)}:
+            raise ValueError(f"correct: the models differ in parameters: {sorted(set(names) ^ set(other))[:8]}")
+    out = {}
+    for name in names:
+        a, end, start = fine_before[name], decoalesced_end[name], decoalesced_start[name]
+        if not a.shape == end.shape == start.shape:
+            raise ValueError(f"correct: {name!r} has shapes {tuple(a.shape)}, {tuple(end.shape)}, {tuple(start.shape)}")
+        dtype = _compute_dtype(a)
+        change = end.to(dtype) - start.to(dtype)
+        out[name] = (a.to(dtype) + alpha * change).to(a.dtype)
+    return out
+
+
+def correct_model(fine_before: Mapping[str, torch.Tensor], coarse_end: Mapping[str, torch.Tensor],
+                  level_map: LevelMap, alpha: float) -> StateDict:
+    """The fine model after a coarse visit, by the coarse-grid correction on full state dicts:
+    ``fine_before + alpha * (decoalesce(coarse_end) - decoalesce(coalesce(fine_before)))``; the
+    coarse model the visit started from is ``coalesce(fine_before)``, made again."""
+    return correct(fine_before, decoalesce(coarse_end, level_map),
+                   decoalesce(coalesce(fine_before, level_map), level_map), alpha)
+
+
 def interpolate_tensor(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
     """``(1 - alpha) * a + alpha * b`` in one pass; exactly ``a`` at 0 and exactly ``b`` at 1
     (``torch.lerp`` computes from the nearer endpoint)."""

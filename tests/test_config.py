@@ -34,7 +34,7 @@ ACCEPTED = {
     ],
     MultilevelConfig: [
         "alpha", "coalesce_depth", "coalesce_width", "depth_pairing", "depth_scaling", "enabled",
-        "cycle", "keep_fine", "levels", "lr_schedule", "num_levels", "ode", "optimizer_state", "perturbation_std", "strategy",
+        "cycle", "interpolation", "keep_fine", "levels", "lr_schedule", "num_levels", "ode", "optimizer_state", "perturbation_std", "strategy",
         "width_pairing",
     ],
     OdeConfig: [

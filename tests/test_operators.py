@@ -5,7 +5,7 @@ import torch
 
 from conftest import VARIANTS, random_state_dict, small_config
 from megatron_multilevel.level_maps import make_level_map, make_level_maps
-from megatron_multilevel.operators import coalesce, decoalesce, interpolate
+from megatron_multilevel.operators import coalesce, correct_model, decoalesce, interpolate
 from megatron_multilevel.plan import parameter_plan
 
 pytestmark = pytest.mark.usefixtures("dist_single")
@@ -176,6 +176,46 @@ def test_interpolate_endpoints_and_midpoint():
     mid = interpolate(x, y, 0.25)
     for k in x:
         torch.testing.assert_close(mid[k], 0.75 * x[k] + 0.25 * y[k])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("shape", SHAPES, ids=["width+depth", "width", "depth"])
+@pytest.mark.parametrize("scaling", ["none", "ode", "identity"])
+def test_correction_of_an_unchanged_coarse_model_returns_the_fine_one(variant, shape, scaling):
+    """A coarse visit that changes nothing corrects nothing, bit for bit: the fine model's own
+    detail, which coalescing averages away and interpolation would blend away, is kept."""
+    cfg = small_config(variant)
+    lm = make_level_map(cfg, depth_scaling=scaling, width_pairing="adjacent", **shape)
+    fine = random_state_dict(cfg, seed=3)
+    assert_equal_dicts(correct_model(fine, coalesce(fine, lm), lm, 0.7), fine)
+    blended = interpolate(fine, decoalesce(coalesce(fine, lm), lm), 0.7)
+    assert not all(torch.equal(blended[k], fine[k]) for k in fine)
+
+
+def test_correction_by_hand():
+    """Depth only, halves, identity growth: fine layers 0 and 2 form coarse layer 0. A change ``d``
+    of the coarse model is added, times alpha, to both layers of its pair, but for the residual
+    outputs, which the first layer takes whole; the rest of the model takes alpha ``d``."""
+    cfg = small_config("gpt_tied")
+    lm = make_level_map(cfg, width=False, depth_pairing="halves", depth_scaling="identity")
+    fine = random_state_dict(cfg, seed=11)
+    change = random_state_dict(lm.coarse, seed=12)
+    start = coalesce(fine, lm)
+    end = {k: start[k] + change[k] for k in start}
+    out = correct_model(fine, end, lm, 0.5)
+    for name, t in out.items():
+        if ".layers." not in name:
+            torch.testing.assert_close(t, fine[name] + 0.5 * change[name], rtol=0, atol=1e-6)
+            continue
+        layer, local = int(name.split(".")[2]), name.split(".", 3)[3]
+        d = change[f"decoder.layers.{layer % 2}.{local}"]
+        residual = local.endswith(("linear_proj.weight", "linear_proj.bias", "linear_fc2.weight", "linear_fc2.bias"))
+        expected = fine[name] + (0 if residual and layer >= 2 else 0.5 * d)
+        torch.testing.assert_close(t, expected, rtol=0, atol=1e-6, msg=name)
+    # the two layers of a pair keep their difference (but for the first's residual outputs)
+    a, b = out["decoder.layers.0.mlp.linear_fc1.weight"], out["decoder.layers.2.mlp.linear_fc1.weight"]
+    torch.testing.assert_close(a - b, fine["decoder.layers.0.mlp.linear_fc1.weight"]
+                               - fine["decoder.layers.2.mlp.linear_fc1.weight"], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("alpha", [-0.01, 1.5])

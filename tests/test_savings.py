@@ -296,6 +296,10 @@ def test_variants_on_one_schedule():
         last = [p for p in phases if p.steps][-1]
         assert last.lr_factor(last.steps - 1) == pytest.approx(0.1, abs=2e-4), name
     assert load_config(configs["ode2"]).multilevel.ode.fine_lr.decay == "cosine"
+    corrected = variant_configs(BASE, steps=400, fine_lr=1e-3, interpolation="correction")
+    assert {name: load_config(cfg).multilevel.interpolation for name, cfg in corrected.items()
+            if name[0] in "vwf"} == {"vcycle2": "correction", "vcycle3": "correction", "wcycle2": "correction",
+                                     "fcycle2": "correction"}
     assert load_config(variant_configs(BASE, steps=400, fine_lr=1e-3)["fcycle2"]).multilevel.lr_schedule == "restart"
 
 

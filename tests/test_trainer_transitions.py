@@ -112,7 +112,17 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def run(request, corpus, tmp_path_factory):
     world_size, layouts = LAYOUTS[request.param]
-    tmp = tmp_path_factory.mktemp(request.param)
+    return _run(corpus, tmp_path_factory.mktemp(request.param), world_size, layouts)
+
+
+@pytest.fixture(scope="module")
+def correction_run(corpus, tmp_path_factory):
+    """One process, returns by the coarse correction instead of interpolation, no noise."""
+    return _run(corpus, tmp_path_factory.mktemp("correction"), 1, LAYOUTS["one-process"][1],
+                interpolation="correction", perturbation_std=0.0)
+
+
+def _run(corpus, tmp, world_size, layouts, **multilevel):
     base = json.loads(small_config(tmp / "base.json", kind="gpt", prefix=str(corpus / "gpt"),
                                    tokenizer_model=str(corpus / "gpt.model"), output_dir=tmp / "run").read_text())
     lr = {"peak": 2e-3, "warmup_steps": 1}
@@ -125,7 +135,7 @@ def run(request, corpus, tmp_path_factory):
         level.update(tensor_model_parallel_size=tp, deepspeed={"zero_optimization": {"stage": stage}})
     base["multilevel"] = {
         "enabled": True, "num_levels": 3, "alpha": 0.5, "width_pairing": "halves",
-        "optimizer_state": "map", "perturbation_std": PERTURBATION_STD, "levels": levels,
+        "optimizer_state": "map", "perturbation_std": PERTURBATION_STD, "levels": levels, **multilevel,
     }
     base["training"].update(save_interval=0, eval_interval=100, eval_batches=1, log_interval=100)
     captured = run_ranks(_train_and_capture, world_size, tmp / "ranks", base)[0]
@@ -195,6 +205,29 @@ def test_decoalescing_interpolates_with_each_levels_alpha_and_perturbs(run):
         n1 = got[f"decoder.layers.1.{name}"] - expected[f"decoder.layers.1.{name}"]
         assert (n0 - n1).std() > n0.std(), fine  # sqrt(2) times for independent noise, 0 for the same
         # moments: interpolated the same way, with no noise
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = _interpolated(before_coalescing["moments"][key], decoalesce(c["before"]["moments"][key], lm), alpha)
+            _assert_dicts_close(c["after"]["moments"][key], want, f"de-coalesced {key} into level {fine}")
+
+
+def test_decoalescing_adds_the_coarse_correction(correction_run):
+    """``interpolation: "correction"``: each level returns to the model it was coalesced from plus
+    its level's alpha times the coarse change, de-coalesced (the coarse model's start made again
+    by coalescing that model), written out; the moments are interpolated as without it."""
+    from megatron_multilevel.operators import coalesce, decoalesce
+
+    captured = correction_run["captured"]
+    assert [(c["from"], c["to"]) for c in captured] == [(0, 1), (1, 2), (2, 1), (1, 0)]
+    for c in captured[2:]:
+        fine, alpha = c["to"], ALPHAS[c["to"]]
+        lm = correction_run["level_maps"][fine]
+        (before_coalescing,) = [x["before"] for x in captured if x["from"] == fine and x["to"] == fine + 1]
+        before = before_coalescing["params"]
+        end, start = decoalesce(c["before"]["params"], lm), decoalesce(coalesce(before, lm), lm)
+        expected = {k: before[k] + alpha * (end[k] - start[k]) for k in before}
+        _assert_dicts_close(c["after"]["params"], expected, f"corrected level {fine}")
+        blended = _interpolated(before, end, alpha)
+        assert max((blended[k] - expected[k]).abs().max() for k in expected) > 1e-3  # not the blend
         for key in ("exp_avg", "exp_avg_sq"):
             want = _interpolated(before_coalescing["moments"][key], decoalesce(c["before"]["moments"][key], lm), alpha)
             _assert_dicts_close(c["after"]["moments"][key], want, f"de-coalesced {key} into level {fine}")

@@ -197,7 +197,7 @@ def _case(case):
     from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
     from megatron_multilevel.level_maps import make_level_map
     from megatron_multilevel.models import build_model
-    from megatron_multilevel.operators import coalesce, decoalesce, interpolate
+    from megatron_multilevel.operators import coalesce, correct_model, decoalesce, interpolate
     from megatron_multilevel.parallel.transition import Layout, coarsen, load_moments, prolong
 
     cfg = _model_config(case["variant"])
@@ -206,7 +206,8 @@ def _case(case):
     # The same groupings in every case of a variant (by default shard-local for TP=2), so that
     # all its cases train the same model as the one-process reference made with them.
     fine_tp, coarse_tp = case.get("groupings", (2, 2))
-    lm = make_level_map(cfg, tensor_model_parallel_size=fine_tp, coarse_tensor_model_parallel_size=coarse_tp)
+    lm = make_level_map(cfg, tensor_model_parallel_size=fine_tp, coarse_tensor_model_parallel_size=coarse_tp,
+                        depth_scaling=case.get("depth_scaling", "none"))
     set_tensor_model_parallel_size(fine_layout.tensor_model_parallel_size)
     set_seed(7)
     fine = _engine(build_model(cfg), fine_layout.zero_stage)
@@ -236,13 +237,16 @@ def _case(case):
         staged = prolong(
             coarse.module, before, lm, ALPHA, coarse_layout=coarse_layout, fine_layout=fine_layout,
             ds_config=_ds_config(fine_layout.zero_stage, 1), optimizer=coarse.optimizer,
-            map_moments=case["map_moments"],
+            map_moments=case["map_moments"], correction=case.get("correction", False),
         )
     out["collectives"], out["largest"] = counter.count, counter.largest
     del coarse
     fine = _engine(staged.model, fine_layout.zero_stage)
     load_moments(fine, staged)
-    expected = interpolate(fine_full, decoalesce(coarse_full, lm), ALPHA)
+    if case.get("correction"):  # the coarse change added to the fine model (moments are blended)
+        expected = correct_model(fine_full, coarse_full, lm, ALPHA)
+    else:
+        expected = interpolate(fine_full, decoalesce(coarse_full, lm), ALPHA)
     diffs["prolong"] = _max_diff(_reference_gather(fine, cfg), expected)
     if case["map_moments"]:
         for k in coarse_moments:
@@ -257,10 +261,11 @@ def _worker(rank, world, cases):
     return [_case(case) for case in cases]
 
 
-def _cases(variant, layouts, map_moments=True, keep="memory", keep_dir=None, groupings=(2, 2)):
+def _cases(variant, layouts, map_moments=True, keep="memory", keep_dir=None, groupings=(2, 2), correction=False,
+           depth_scaling="none"):
     return [
-        dict(variant=variant, fine_tp=a, fine_stage=b, coarse_tp=c, coarse_stage=d,
-             map_moments=map_moments, keep=keep, keep_dir=keep_dir, groupings=groupings)
+        dict(variant=variant, fine_tp=a, fine_stage=b, coarse_tp=c, coarse_stage=d, map_moments=map_moments,
+             keep=keep, keep_dir=keep_dir, groupings=groupings, correction=correction, depth_scaling=depth_scaling)
         for a, b, c, d in layouts
     ]
 
@@ -286,8 +291,14 @@ FOUR_RANKS = [
 def reference(tmp_path_factory):
     """The one-process run of every variant: the losses every layout must reproduce."""
     cases = [c for mm in (True, False) for v in ("gpt", "llama") for c in _cases(v, [(1, 0, 1, 0)], mm)]
+    cases += _cases("gpt", [(1, 0, 1, 0)], correction=True) + _cases("gpt", [(1, 0, 1, 0)], correction=True,
+                                                                      depth_scaling="identity")
     (results,) = run_ranks(_worker, 1, tmp_path_factory.mktemp("ref"), cases)
-    return {(c["variant"], c["map_moments"]): r for c, r in zip(cases, results)}
+    return {_key(c): r for c, r in zip(cases, results)}
+
+
+def _key(case):
+    return case["variant"], case["map_moments"], case["correction"], case["depth_scaling"]
 
 
 def _check_ranks_agree(case, per_rank, ref_losses=None):
@@ -321,11 +332,11 @@ def _check_ranks_agree(case, per_rank, ref_losses=None):
 
 def _check(results, cases, reference):
     for case, per_rank in zip(cases, zip(*results)):
-        _check_ranks_agree(case, per_rank, reference[case["variant"], case["map_moments"]]["losses"])
+        _check_ranks_agree(case, per_rank, reference[_key(case)]["losses"])
     for case, result in zip(cases, results[0]):
         for name, diff in result["diffs"].items():
             assert diff < 1e-6, (case, name, diff)
-        ref = reference[case["variant"], case["map_moments"]]
+        ref = reference[_key(case)]
         assert result["losses"] == pytest.approx(ref["losses"], abs=2e-5), (case, result["losses"], ref["losses"])
 
 
@@ -339,11 +350,15 @@ def test_reference_itself_is_exact(reference):
 def test_two_ranks(reference, tmp_path):
     cases = _cases("gpt", TWO_RANKS) + _cases("llama", [(2, 0, 2, 0), (1, 3, 1, 3), (2, 1, 1, 2)])
     cases += _cases("gpt", [(1, 3, 1, 3)], map_moments=False, keep="disk", keep_dir=str(tmp_path / "keep"))
+    # the coarse correction instead of interpolation: fast path, ZeRO-3 streaming, a TP change
+    cases += _cases("gpt", [(1, 3, 1, 3), (2, 1, 1, 1)], correction=True)
+    cases += _cases("gpt", [(1, 3, 1, 3)], correction=True, depth_scaling="identity")
     cases += _cases("gpt", [(2, 0, 2, 0)], map_moments=False, keep="cpu")
+    cases += _cases("gpt", [(2, 0, 2, 0)], correction=True)
     results = run_ranks(_worker, 2, tmp_path, cases)
     _check(results, cases, reference)
     # The fast path (TP=2 at both levels, shard-local groupings, no ZeRO-3) communicates nothing.
-    assert results[0][-1]["collectives"] == 0
+    assert results[0][-1]["collectives"] == 0 and results[0][-2]["collectives"] == 0
     assert results[0][3]["collectives"] > 0  # ZeRO-3 gathers
     assert list((tmp_path / "keep" / "params").glob("layer*.rank1.pt"))
 

@@ -103,6 +103,7 @@ def variants(args, base: dict) -> dict[str, dict]:
                  depth_scaling=args.depth_scaling, shape=args.shape, depth_pairing=args.depth_pairing,
                  fcycle_revisit=args.fcycle_revisit, optimizer_state=args.optimizer_state,
                  after_lr_factor=args.after_lr_factor, ode=ode_overrides(args.ode), lr_schedule=args.lr_schedule,
+                 interpolation=args.interpolation,
                  methods=[m for m in METHODS if m != "ode2" or m in args.methods], **common)
 
     def methods(**change) -> dict[str, dict]:
@@ -376,6 +377,9 @@ def main(argv=None) -> int:
                    help="warm-up steps of the fine level after a return (default: 4%% of the steps)")
     p.add_argument("--after-lr-factor", "--after_lr_factor", type=float, default=1.0,
                    help="the fine level's peak learning rate after a return, times the fine rate")
+    p.add_argument("--interpolation", choices=["blend", "correction"], default="blend",
+                   help="how the cycles return to a finer level: blend with the model before coalescing "
+                        "(the paper) or add the coarse change to it (multigrid's coarse correction)")
     p.add_argument("--lr-schedule", "--lr_schedule", choices=["restart", "continue"], default="restart",
                    help="learning rate over the phases of every method but scratch: restarted at every phase "
                         "(the paper) or one schedule over the whole run (multilevel.lr_schedule)")

@@ -4,7 +4,8 @@
 stage and tensor-parallel size) and builds the coarse level's model in the coarse layout with
 coalesced parameters; it keeps the fine model as it was (for interpolation) in a
 :class:`~megatron_multilevel.parallel.streams.Snapshot`. ``prolong`` de-coalesces the coarse model,
-interpolates with that snapshot and builds the fine level's model again. Both return a model
+interpolates with that snapshot (or adds the coarse correction to it) and builds the fine
+level's model again. Both return a model
 ready for ``deepspeed.initialize``; optionally mapped Adam moments are staged and loaded into the
 new engine with :func:`load_moments`.
 
@@ -32,6 +33,7 @@ from megatron_multilevel.operators import (
     coalesce_layers,
     coalesce_model_params,
     coarse_layer_of,
+    correct,
     decoalesce_layer,
     decoalesce_model_params,
     depth_groups,
@@ -235,12 +237,14 @@ def prolong(
     map_moments: bool = False,
     perturbation_std: float = 0.0,
     seed: int = 0,
+    correction: bool = False,
 ) -> Staged:
     """Build the fine level again: de-coalesce the coarse model and interpolate with ``before``.
 
     The result is ``(1 - alpha) * before + alpha * decoalesce(coarse)`` in ``fine_layout`` (with
     ``before`` None, growing a model, ``alpha`` must be 1, and mapped moments are the coarse
-    optimizer's de-coalesced), plus,
+    optimizer's de-coalesced); with ``correction``, ``before + alpha * (decoalesce(coarse) -
+    decoalesce(coalesce(before)))`` (``operators.correct_model``; mapped moments are blended), plus,
     with ``perturbation_std``, Gaussian noise of that size relative to each weight's own standard
     deviation (seeded by ``seed`` and the parameter's name: the same on every rank).
     """
@@ -262,7 +266,7 @@ def prolong(
     fine_model = _build_target(level_map.fine, fine_layout, ds_config)
     writer = ModelWriter(fine_model, level_map.fine, Groups.current(), local=fast)
     _prolong_stream(reader, before and before.params, writer, op_map, alpha, perturbation_std=perturbation_std,
-                    seed=seed)
+                    seed=seed, correction=correction)
     staged = Staged(fine_model, level_map.fine, fast, step=step)
     for key, moment_reader in moment_readers.items():
         staged.moments[key] = Snapshot(_snapshot_group(fast))
@@ -340,28 +344,38 @@ def _perturb(values: dict, std: float, seed: int, writer: ModelWriter, layer: Op
 
 
 def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, alpha: float, *,
-                    perturbation_std: float = 0.0, seed: int = 0) -> None:
-    """De-coalesce and interpolate parameter by parameter (slab by slab of vocabulary rows)."""
+                    perturbation_std: float = 0.0, seed: int = 0, correction: bool = False) -> None:
+    """De-coalesce and interpolate (or correct) parameter by parameter (slab by slab of
+    vocabulary rows). The correction's starting coarse model is coalesced again from ``before``,
+    one depth group at a time, as ``_coarsen_stream`` made it."""
     for name in coarse_reader.model_names:
         for rows in vocab_slabs(coarse_reader, name, level_map.fine, whole=perturbation_std > 0):
             values = decoalesce_model_params(coarse_reader.read_model([name], rows), level_map)
             if before_reader is not None:  # None when growing (alpha 1): nothing to interpolate with
-                values = interpolate(before_reader.read_model([name], rows), values, alpha)
+                before = before_reader.read_model([name], rows)
+                if correction:
+                    start = decoalesce_model_params(coalesce_model_params(before, level_map), level_map)
+                    values = correct(before, values, start, alpha)
+                else:
+                    values = interpolate(before, values, alpha)
             writer.write_model(_perturb(values, perturbation_std, seed, writer), rows)
-    fine_of = {}
-    for j in range(level_map.fine.num_layers):
-        fine_of.setdefault(coarse_layer_of(level_map, j), []).append(j)
-    for k in sorted(fine_of):
+    for k, members in enumerate(depth_groups(level_map)):
+        assert all(coarse_layer_of(level_map, j) == k for j in members), (k, members)
         for name in coarse_reader.layer_names:
             coarse = coarse_reader.read_layer(k, [name])
-            for j in fine_of[k]:
-                decoalesced = decoalesce_layer(coarse, level_map, group_member(level_map, j))
-                if before_reader is None:  # growing (alpha 1); new tensors per fine layer: the writer adopts them
+            before = [] if before_reader is None else [before_reader.read_layer(j, [name]) for j in members]
+            start = coalesce_layers(before, level_map) if correction and before else None
+            for i, j in enumerate(members):
+                member = group_member(level_map, j)
+                decoalesced = decoalesce_layer(coarse, level_map, member)
+                if not before:  # growing (alpha 1); new tensors per fine layer: the writer adopts them
                     values = decoalesced
+                elif start is not None:
+                    values = correct(before[i], decoalesced, decoalesce_layer(start, level_map, member), alpha)
                 else:
-                    values = interpolate(before_reader.read_layer(j, [name]), decoalesced, alpha)
+                    values = interpolate(before[i], decoalesced, alpha)
                 writer.write_layer(j, _perturb(values, perturbation_std, seed, writer, j))
-            del coarse
+            del coarse, before, start
 
 
 def _copy_stream(reader, writer, num_layers: int, *, cfg: Optional[ModelConfig] = None) -> None:

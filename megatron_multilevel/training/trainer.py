@@ -328,9 +328,11 @@ class Trainer:
                 coarse_layout=self.levels.layout(phase.level), fine_layout=self.levels.layout(nxt.level),
                 ds_config=ds, optimizer=old.optimizer, map_moments=mapped,
                 perturbation_std=ml.perturbation_std, seed=self.cfg.training.seed + nxt.index,
+                correction=ml.interpolation == "correction",
             )
             self.state.open_levels.pop(nxt.level, None)
-            what = "de-coalesced, grown" if before is None else "de-coalesced and interpolated"
+            what = ("de-coalesced, grown" if before is None else "de-coalesced and interpolated"
+                    if ml.interpolation == "blend" else "de-coalesced, coarse correction added")
             what += f" (alpha {alpha})"
         checkpoint.crash_point(f"transition{nxt.index}")
         self.engine = old = None
