@@ -23,14 +23,16 @@ python_bin="${PYTHON:-python}"
 # measure; one where the full budget does not reach scratch's loss), over two seeds (three at the
 # headline point).
 FRACTIONS="--fractions 0.6 0.8 1.0"
+# the recipe (README, "The recipe"), as the benchmark's flags
+RECIPE="--shape depth --depth-pairing halves --depth-scaling identity --coarse-share 0.8 --ea 0.1 --optimizer-state map --after-warmup 0 --lr-schedule continue --interpolation correction --alpha 1.0"
 RECIPES=(
-  # the F-cycle: stacking's start (80% of the steps at half depth, grown function-preserving),
-  # then a second coarse visit (depth only, halves) and an interpolation, AdamW moments carried
-  # through every transition, no re-warm-up after a return
-  "--methods fcycle2 --shape depth --depth-pairing halves --depth-scaling identity --coarse-share 0.8 --ea 0.1 --optimizer-state map --after-warmup 0 $FRACTIONS"
-  # progressive stacking with the same share and growth, the AdamW moments carried through it
-  # (de-coalesced), re-warmed up
-  "--methods stacking --depth-scaling identity --coarse-share 0.8 --optimizer-state map --tag=-map $FRACTIONS"
+  # the F-cycle: stacking's start (80% of the steps at half depth, grown function-preserving), then a
+  # second coarse visit (depth only, halves) whose change is added back whole (the coarse-grid
+  # correction, alpha 1), AdamW moments carried through every transition, one learning-rate
+  # schedule over the whole run
+  "--methods fcycle2 $RECIPE $FRACTIONS"
+  # progressive stacking with the same share, growth, moments and schedule (and no re-warm-up)
+  "--methods stacking --depth-scaling identity --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue $FRACTIONS"
   # progressive stacking as published: half depth from scratch for half the steps, stacked,
   # AdamW restarted and re-warmed up
   "--methods stacking --depth-scaling ode $FRACTIONS"
@@ -54,22 +56,22 @@ ORDER=(cpu-8x256-480 cpu-4x128-240 cpu-4x128-960 cpu-8x256-240 cpu-8x256-960 cpu
 
 # The ablation of the recipe (README, "The recipe": the F-cycle above) at the headline point, one
 # change at a time, each at the full budget (final loss and curve crossing), most telling first.
-RECIPE="--shape depth --depth-pairing halves --depth-scaling identity --coarse-share 0.8 --ea 0.1 --optimizer-state map --after-warmup 0"
 POINTS[ablation-8x256-480]="--size cpu --steps 480 --fractions 1.0"
 ABLATION=(
-  "--methods fcycle2 $RECIPE"                                               # the recipe
-  "--methods fcycle2 $RECIPE --optimizer-state reset --tag=-reset"          # AdamW restarted at every transition
-  "--methods fcycle2 $RECIPE --after-warmup 19 --tag=-rewarm"               # re-warm-up (4%) after every return
-  "--methods fcycle2 $RECIPE --extra-shapes width+depth"                    # width coalesced too (coarse rate x3)
-  "--methods fcycle2 $RECIPE --depth-pairing adjacent --tag=-adjacent"      # coarse layer i = fine layers 2i, 2i+1
-  "--methods fcycle2 $RECIPE --compare-depth-scaling"                       # the paper's and the ODE depth operators
-  "--methods vcycle2 wcycle2 $RECIPE"                                       # the V- and W-cycle, same settings
-  "--methods fcycle2 $RECIPE --alpha 0.5 0.25 1.0"                          # interpolation weight of the return
-  "--methods fcycle2 $RECIPE --fcycle-revisit 0.1 --tag=-revisit0.1"        # the second coarse visit's length
+  "--methods fcycle2 $RECIPE"                                                # the recipe
+  "--methods fcycle2 $RECIPE --interpolation blend --alpha 0.5 --tag=-blend"  # the paper's return: blend, alpha 0.5
+  "--methods fcycle2 $RECIPE --lr-schedule restart --tag=-restart"           # every phase its own schedule (the paper)
+  "--methods fcycle2 $RECIPE --fcycle-revisit 0.1 --tag=-revisit0.1"         # the second coarse visit's length
   "--methods fcycle2 $RECIPE --fcycle-revisit 0.5 --tag=-revisit0.5"
+  "--methods fcycle2 $RECIPE --alpha 1.0 0.5 0.75"                           # the correction's step size
+  "--methods fcycle2 $RECIPE --optimizer-state reset --tag=-reset"           # AdamW restarted at every transition
+  "--methods vcycle2 wcycle2 $RECIPE"                                        # the V- and W-cycle, same settings
+  "--methods fcycle2 $RECIPE --after-warmup 19 --tag=-rewarm"                # re-warm-up (4%) after every return
   "--methods fcycle2 $RECIPE --ea 0.1 0.05 0.2 --coarse-share 0.8 0.5 0.65 0.9"  # fine steps before it; coarse share
-  "--methods fcycle2 $RECIPE --alpha 0.75 --perturbation 0.05 --tag=-p0.05"  # noise after growing, alpha 0.75
-  "--methods vcycle3 $RECIPE"                                               # three levels
+  "--methods fcycle2 $RECIPE --depth-pairing adjacent --tag=-adjacent"       # coarse layer i = fine layers 2i, 2i+1
+  "--methods fcycle2 $RECIPE --compare-depth-scaling"                        # the paper's and the ODE depth operators
+  "--methods fcycle2 $RECIPE --extra-shapes width+depth"                     # width coalesced too (coarse rate x3)
+  "--methods vcycle3 $RECIPE"                                                # three levels
 )
 
 recipes_of() {  # the recipe lines of a point
