@@ -59,7 +59,7 @@ def _rank_worker(rank, world, config_dict, out, items, tokens):
         engine.lr_scheduler.step()  # the schedule continues where the run stood
         checkpoint.save(engine, out, state, meta=item["meta"], extra=functools.partial(_copy_extra, item["path"]))
         if item["latest"]:
-            fresh = levels.engine(levels.build_empty_model(phase.level), phase.level, phase.lr.peak, factor)
+            fresh = levels.engine(levels.build_empty_model(phase.level), phase.level, phase.lr.peak, phase.lr_factor)
             checkpoint.load(fresh, out, checkpoint.tag_of(state.phase, state.step))
             logits = verify.gathered_logits(fresh.module, model_cfg, tokens)
     return logits
