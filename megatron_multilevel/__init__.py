@@ -27,6 +27,7 @@ from megatron_multilevel.models import (
 from megatron_multilevel.operators import (
     coalesce,
     coalesce_layers,
+    correct_model,
     decoalesce,
     decoalesce_layer,
     interpolate,
@@ -59,6 +60,7 @@ __all__ = [
     "decoalesce",
     "decoalesce_layer",
     "interpolate",
+    "correct_model",
     "LayerSelection",
     "restrict",
     "prolong",
