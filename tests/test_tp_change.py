@@ -16,7 +16,7 @@ from distributed_helpers import run_ranks
 from megatron_multilevel.config import load_config, valid_tp_sizes
 from megatron_multilevel.level_maps import run_level_maps
 from megatron_multilevel.pretrain import apply_overrides
-from test_transitions import _cases, _check, _worker
+from test_transitions import _cases, _check, _key, _worker
 
 ROOT = Path(__file__).parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.json"))
@@ -133,7 +133,7 @@ def test_four_ranks_across_a_tp_change(tmp_path):
     cases = TP_CHANGE + SAME_TP4
     (one,) = run_ranks(_worker, 1, tmp_path / "one", [dict(c, fine_tp=1, fine_stage=0, coarse_tp=1, coarse_stage=0)
                                                       for c in cases])
-    reference = {(c["variant"], c["map_moments"]): r for c, r in zip(cases, one)}
+    reference = {_key(c): r for c, r in zip(cases, one)}
     results = run_ranks(_worker, 4, tmp_path / "four", cases)
     _check(results, cases, reference)
     assert results[0][0]["collectives"] > 0  # gathered, projected and resharded
