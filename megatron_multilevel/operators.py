@@ -252,19 +252,23 @@ def interpolate(
     alpha 1 returns the de-coalesced model: the direction of the paper's Figure 5).
     """
     check_alpha(alpha)
-    names = [n for n in fine_before if not is_metadata(n)]
-    other = [n for n in decoalesced if not is_metadata(n)]
-    if set(names) != set(other):
-        raise ValueError(
-            f"interpolate: the two models differ in parameters: {sorted(set(names) ^ set(other))[:8]}"
-        )
-    out = {}
+    names = _same_parameters("interpolate", fine_before, decoalesced)
+    return {name: interpolate_tensor(fine_before[name], decoalesced[name], alpha) for name in names}
+
+
+def _same_parameters(op: str, first: Mapping[str, torch.Tensor], *others: Mapping[str, torch.Tensor]) -> list[str]:
+    """The parameter names of ``first`` (metadata left out), after checking that every model in
+    ``others`` has the same names and shapes; a mismatch is a ``ValueError`` naming ``op``."""
+    names = [n for n in first if not is_metadata(n)]
+    for other in others:
+        other_names = {n for n in other if not is_metadata(n)}
+        if set(names) != other_names:
+            raise ValueError(f"{op}: the models differ in parameters: {sorted(set(names) ^ other_names)[:8]}")
     for name in names:
-        a, b = fine_before[name], decoalesced[name]
-        if a.shape != b.shape:
-            raise ValueError(f"interpolate: {name!r} has shapes {tuple(a.shape)} and {tuple(b.shape)}")
-        out[name] = interpolate_tensor(a, b, alpha)
-    return out
+        shapes = [tuple(first[name].shape)] + [tuple(other[name].shape) for other in others]
+        if len(set(shapes)) > 1:
+            raise ValueError(f"{op}: {name!r} has shapes {' and '.join(map(str, shapes))}")
+    return names
 
 
 def correct(
@@ -277,15 +281,9 @@ def correct(
     detail (what coalescing averages away) is kept, where interpolation keeps only ``1 - alpha``
     of it. A coarse visit that changes nothing returns ``fine_before`` exactly."""
     check_alpha(alpha)
-    names = [n for n in fine_before if not is_metadata(n)]
-    for other in (decoalesced_end, decoalesced_start):
-        if set(names) != {n for n in other if not is_metadata(n)}:
-            raise ValueError(f"correct: the models differ in parameters: {sorted(set(names) ^ set(other))[:8]}")
     out = {}
-    for name in names:
+    for name in _same_parameters("correct", fine_before, decoalesced_end, decoalesced_start):
         a, end, start = fine_before[name], decoalesced_end[name], decoalesced_start[name]
-        if not a.shape == end.shape == start.shape:
-            raise ValueError(f"correct: {name!r} has shapes {tuple(a.shape)}, {tuple(end.shape)}, {tuple(start.shape)}")
         dtype = _compute_dtype(a)
         change = end.to(dtype) - start.to(dtype)
         out[name] = (a.to(dtype) + alpha * change).to(a.dtype)

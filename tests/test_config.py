@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 
 from megatron_multilevel.config import (
-    DEEPSPEED_KEYS,
     DataConfig,
     LevelConfig,
     LRConfig,

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from conftest import VARIANTS, random_state_dict, small_config
-from megatron_multilevel.distributed import set_seed
 from megatron_multilevel.level_maps import make_level_map, make_level_maps
 from megatron_multilevel.models import build_model, load_parameters, model_logits
 from megatron_multilevel.operators import decoalesce

@@ -153,17 +153,18 @@ def _case(case):
     del fine
     coarse = _engine(staged.model, case, coarse_layout.zero_stage)
     load_moments(coarse, staged)
+    coarse_module = coarse.module
     diffs = {"restrict": _max_diff(_reference_gather(coarse, sel.coarse), restrict_tensors(fine_full, sel))}
     for k in keys if case["state"] == "map" else ():
         diffs[f"restrict_{k}"] = _max_diff(_reference_gather(coarse, sel.coarse, k),
                                            restrict_tensors(fine_state[k], sel, degree=DEGREE[k]))
     # first-order coherence: with v added, the coarse gradient at R theta is R grad L_fine(theta)
-    coarse_grad = coherence.step_gradients(coarse.module, lambda m: _loss(coarse.module, sel.coarse, 2), 1)
+    coarse_grad = coherence.step_gradients(coarse.module, lambda micro: _loss(coarse_module, sel.coarse, 2), 1)
     restricted_here = _shard_like(restricted_grad, coarse.module, sel.coarse)  # in the coarse layout
     v = {n: fine_grad_r - coarse_grad[n] for n, fine_grad_r in restricted_here.items()}
     # with two accumulation steps (the same batch twice) each gets half of v
     hook = coherence.CoherenceHook(coarse.module, v, 2)
-    coherent = coherence.step_gradients(coarse.module, lambda m: _loss(coarse.module, sel.coarse, 2), 2)
+    coherent = coherence.step_gradients(coarse.module, lambda micro: _loss(coarse_module, sel.coarse, 2), 2)
     diffs["coherent_gradient"] = _max_diff(_gather_dict(coherent, sel.coarse), restricted_grad)
     hook.remove()
     hook = coherence.CoherenceHook(coarse.module, v, 1)

@@ -1,11 +1,9 @@
-import itertools
-
 import pytest
 import torch
 
 from conftest import VARIANTS, random_state_dict, small_config
 from megatron_multilevel.level_maps import make_level_map, make_level_maps
-from megatron_multilevel.operators import coalesce, correct_model, decoalesce, interpolate
+from megatron_multilevel.operators import coalesce, correct, correct_model, decoalesce, interpolate
 from megatron_multilevel.plan import parameter_plan
 
 pytestmark = pytest.mark.usefixtures("dist_single")
@@ -230,8 +228,16 @@ def test_interpolate_rejects_different_models():
     x = random_state_dict(small_config("gpt_tied"))
     y = dict(x)
     y.pop("decoder.final_layernorm.bias")
-    with pytest.raises(ValueError, match="differ in parameters"):
+    with pytest.raises(ValueError, match="interpolate: the models differ in parameters"):
         interpolate(x, y, 0.5)
+    with pytest.raises(ValueError, match="correct: the models differ in parameters"):
+        correct(x, x, y, 1.0)
+    z = dict(x)
+    z["decoder.final_layernorm.bias"] = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"interpolate: 'decoder.final_layernorm.bias' has shapes \(64,\) and \(3,\)"):
+        interpolate(x, z, 0.5)
+    with pytest.raises(ValueError, match=r"correct: 'decoder.final_layernorm.bias' has shapes \(64,\) and \(64,\) and \(3,\)"):
+        correct(x, x, z, 1.0)
 
 
 def test_unknown_parameter_is_an_error():

@@ -41,7 +41,7 @@ def init_run(src: str, config_path: str, out: str, *, overwrite: bool = False) -
     theirs = dataclasses.asdict(source.model)
     if ours != theirs:
         diff = sorted(k for k in ours if ours[k] != theirs.get(k))
-        raise ValueError(f"the config's model differs from the checkpoint's: "
+        raise ValueError("the config's model differs from the checkpoint's: "
                          + ", ".join(f"model.{k} = {ours[k]!r}, the checkpoint has {theirs.get(k)!r}" for k in diff))
     prepare_output(out, overwrite, src)
     meta = {"model": ours, "level_maps": [m.to_json() for m in run_level_maps(cfg)], "config": config_to_dict(cfg),
