@@ -208,7 +208,10 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
       ``ea / 2`` of the steps at the fine level, ``coarse_share / ode_cycles`` at the coarse model
       of every other layer (at the fine rate: it is as wide) and ``ea / 2`` at the fine level
       again, at a constant rate, then the rest at the fine level, its rate decaying as scratch's
-      does. ``ode`` overrides keys of its ``multilevel.ode`` block (``cycles`` among them), e.g.
+      does. ``ea`` 0 leaves out the fine steps of the cycles: the first coarse model then trains
+      from the initialisation (warming up as scratch does), and with ``{"cycles": 1,
+      "prolongation": "constant"}`` the run is the coarse model first, its change written into both
+      layers of every pair, then the fine model (nested iteration). ``ode`` overrides keys of its ``multilevel.ode`` block (``cycles`` among them), e.g.
       ``{"coherence": "none"}``.
 
     ``after_lr_factor`` scales the fine level's peak learning rate after every return to it
@@ -323,7 +326,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
            "stacking": stacking, "stacking3": stacking3}
     if methods is None or "ode2" in methods:
         out["ode2"] = _ode_variant(steps, fine_lr, ea=ea, coarse_share=coarse_share, budget=budget, r=r_stack[1],
-                                   ode=ode, lr_schedule=lr_schedule, config=config)
+                                   warmup=warmup, ode=ode, lr_schedule=lr_schedule, config=config)
     return out if methods is None else {name: cfg for name, cfg in out.items() if name == "scratch" or name in methods}
 
 
@@ -332,11 +335,13 @@ ODE_DEFAULTS = {"coarse": "alternate", "residual_scale": 2, "prolongation": "cor
 
 
 def _ode_variant(steps: int, fine_lr: float, *, ea: float, coarse_share: float, budget: str, r: float,
-                 ode: "dict | None", lr_schedule: str, config) -> dict:
+                 warmup: int, ode: "dict | None", lr_schedule: str, config) -> dict:
     """The ``ode2`` method of :func:`variant_configs` (``r``: a coarse step's FLOPs over a fine one's)."""
     block = {**ODE_DEFAULTS, **(ode or {})}
     cycles = block["cycles"]
-    smooth = max(1, round(ea * steps / 2))
+    # ea 0: no smoothing steps, so the first coarse model trains from the fresh initialisation
+    # (nested iteration: the coarse level first, as the F-cycle and stacking start)
+    smooth = 0 if ea == 0 else max(1, round(ea * steps / 2))
     coarse = max(1, round(coarse_share * steps / cycles))
     spent = cycles * (2 * smooth) + (cycles * coarse if budget == "tokens" else cycles * coarse * r)
     final = int(steps - spent)
@@ -345,8 +350,10 @@ def _ode_variant(steps: int, fine_lr: float, *, ea: float, coarse_share: float, 
                          f"{steps}-step budget; give fewer multilevel.ode.cycles or more steps")
     # constant rates in the cycles, the final phase decaying as scratch does; or one decay over all
     constant = {"peak": fine_lr, "warmup_steps": 0, **({} if lr_schedule == "continue" else {"decay": "constant"})}
+    # a coarse model trained from the initialisation warms up as scratch does
+    coarse_lr = {**constant, "warmup_steps": warmup if smooth == 0 else 0}
     block.update(pre_steps=smooth, coarse_steps=coarse, post_steps=smooth, final_steps=final,
-                 fine_lr=constant, coarse_lr=dict(constant), final_lr={"peak": fine_lr, "warmup_steps": 0})
+                 fine_lr=constant, coarse_lr=coarse_lr, final_lr={"peak": fine_lr, "warmup_steps": 0})
     return config({"enabled": True, "strategy": "ode", "lr_schedule": lr_schedule, "ode": block})
 
 

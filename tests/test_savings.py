@@ -278,6 +278,28 @@ def test_ode_variant_schedule():
         load_config(variant_configs(BASE, steps=400, fine_lr=1e-3, ode={"coherence": "second"})["ode2"])
 
 
+def test_ode_variant_coarse_first():
+    """ode2 with ea 0 and one cycle: the coarse model first, from the initialisation (warming up as
+    scratch does), its change written into both layers of every pair, then the fine model; the
+    budget as before. The schedule of phases is built by the trainer's own code."""
+    from megatron_multilevel.training.schedule import build_phases
+
+    cfg = variant_configs(BASE, steps=400, fine_lr=1e-3, ea=0.0, coarse_share=0.8, warmup=20,
+                          ode={"coherence": "none", "cycles": 1, "prolongation": "constant"})
+    parsed = load_config(cfg["ode2"])
+    ode = parsed.multilevel.ode
+    assert (ode.pre_steps, ode.coarse_steps, ode.post_steps, ode.prolongation) == (0, 320, 0, "constant")
+    assert ode.coarse_lr.warmup_steps == 20 and ode.fine_lr.warmup_steps == 0
+    phases = build_phases(parsed)
+    # the empty first phase only holds the fresh fine model the coarse one is restricted from
+    assert [(p.level, p.steps, p.arrival) for p in phases] == [
+        (0, 0, "fresh"), (1, 320, "restrict"), (0, ode.final_steps, "prolong")]
+    flops, scratch = _budget(cfg["ode2"])[1], _budget(cfg["scratch"])[1]
+    assert scratch - scratch / 400 <= flops <= scratch
+    # with smoothing steps the coarse phases do not warm up (they start from a trained model)
+    assert load_config(variant_configs(BASE, steps=400, fine_lr=1e-3, ea=0.1)["ode2"]).multilevel.ode.coarse_lr.warmup_steps == 0
+
+
 def test_variants_on_one_schedule():
     """``lr_schedule="continue"``: every method but scratch runs one schedule over its run, and
     every config builds (the ODE strategy's cycles then decay with the run instead of staying
