@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def parse_args(argv=None):
+    from megatron_multilevel.level_maps import DEPTH_SCALINGS, PAIRINGS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -49,9 +51,9 @@ def parse_args(argv=None):
     fmt(c)
     c.add_argument("--no-width", "--no_width", dest="width", action="store_false")
     c.add_argument("--no-depth", "--no_depth", dest="depth", action="store_false")
-    c.add_argument("--width-pairing", "--width_pairing", choices=["halves", "adjacent"], default="halves")
-    c.add_argument("--depth-pairing", "--depth_pairing", choices=["adjacent", "halves"], default="adjacent")
-    c.add_argument("--depth-scaling", "--depth_scaling", choices=["none", "ode", "identity"], default="none")
+    c.add_argument("--width-pairing", "--width_pairing", choices=PAIRINGS, default="halves")
+    c.add_argument("--depth-pairing", "--depth_pairing", choices=PAIRINGS, default="adjacent")
+    c.add_argument("--depth-scaling", "--depth_scaling", choices=DEPTH_SCALINGS, default="none")
     c.add_argument("--tensor-model-parallel-size", "--tensor_model_parallel_size", type=int, default=1,
                    help="pair units inside the shards of this TP size")
     c = command("decoalesce", "a coalesced checkpoint -> the finer model (with the grouping it records)")
