@@ -2,8 +2,10 @@
 every transition, resume after a kill anywhere, SGD and AdamW, GPT and BERT, two processes."""
 
 import json
+import re
 
 import pytest
+import torch
 
 from launch_helpers import launch, losses, make_corpus, preprocess, records, small_config
 
@@ -318,3 +320,51 @@ def test_checkpoint_tools_on_a_coarse_phase(corpus, tmp_path):
     resumed = _ok(launch(tmp_path / "tp1" / "config.json"))
     assert "resuming from phase04-step0000002" in resumed.stdout
     assert [p["level"] for p in _summary(tmp_path / "tp1")["phases"]] == [0, 1, 0, 0, 1, 0, 0]
+
+
+def test_coarse_first_writes_the_change_into_both_layers_of_each_pair(corpus, tmp_path):
+    """Nested iteration: no fine step before the first coarse phase, so the coarse model of the even
+    layers trains from the initialisation; the ``constant`` prolongation then gives both layers of
+    every pair (2k, 2k + 1) coarse layer k's change, residual-branch outputs halved. Checked by hand
+    on the checkpoints: the fresh fine model, the coarse model at the end of its phase, the fine
+    model after prolongation."""
+    from megatron_multilevel.plan import parameter_plan
+
+    ode = {"cycles": 1, "pre_steps": 0, "coarse_steps": 4, "post_steps": 0, "final_steps": 0, "coarse": "even",
+           "prolongation": "constant", "optimizer_state": "map", "residual_scale": 2,
+           "coarse_lr": {"peak": 4e-3, "warmup_steps": 1, "decay": "constant"}, "fine_lr": {"peak": 2e-3}}
+    training = {"output_dir": str(tmp_path / "run"), "log_interval": 1, "eval_interval": 100, "eval_batches": 1,
+                "save_interval": 100, "seed": 5, "keep_checkpoints": 100}
+    out = _ok(launch(_config(tmp_path, corpus, "run", ode=ode, training=training))).stdout
+    assert "prolonged (constant, change x1)" in out
+    summary = _summary(tmp_path / "run")
+    assert [(p["level"], p["steps"]) for p in summary["phases"]] == [(0, 0), (1, 4), (0, 0)]
+    ckpts = tmp_path / "run" / "checkpoints"
+    fresh, coarse, fine = (_module_states(ckpts / tag) for tag in
+                           ("phase00-step0000000", "phase01-step0000004", "phase02-step0000000"))
+    residual = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+                "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")  # what a coarse layer's step doubles
+    layer = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+    checked = 0
+    for name, end in coarse.items():
+        match = layer.match(name)
+        if not match:  # shared: the coarse model started from a copy, so its change is all of it
+            assert not torch.equal(end, fresh[name]), name
+            torch.testing.assert_close(fine[name], end, rtol=0, atol=1e-6)
+            continue
+        k, local = int(match.group(1)), match.group(2)
+        scale = 2.0 if local in residual else 1.0
+        change = (end - scale * fresh[f"decoder.layers.{2 * k}.{local}"]) / scale
+        assert change.abs().max() > 0, name
+        for j in (2 * k, 2 * k + 1):
+            torch.testing.assert_close(fine[f"decoder.layers.{j}.{local}"], fresh[f"decoder.layers.{j}.{local}"] + change,
+                                       rtol=0, atol=1e-6)
+        checked += 1
+    assert checked == 2 * 12 and set(fine) == set(fresh)  # 2 coarse layers of 12 tensors (4 doubled)
+
+
+def _module_states(tag_dir) -> dict:
+    """The parameters of a one-process ZeRO-0 checkpoint, read straight from DeepSpeed's file."""
+    (path,) = tag_dir.glob("mp_rank_00_model_states.pt")
+    module = torch.load(path, map_location="cpu", weights_only=False)["module"]
+    return {k: v.float() for k, v in module.items() if not k.endswith("_extra_state")}
