@@ -211,8 +211,8 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
       does. ``ea`` 0 leaves out the fine steps of the cycles: the first coarse model then trains
       from the initialisation (warming up as scratch does), and with ``{"cycles": 1,
       "prolongation": "constant"}`` the run is the coarse model first, its change written into both
-      layers of every pair, then the fine model (nested iteration). ``ode`` overrides keys of its ``multilevel.ode`` block (``cycles`` among them), e.g.
-      ``{"coherence": "none"}``.
+      layers of every pair, then the fine model (nested iteration). ``ode`` overrides keys of its
+      ``multilevel.ode`` block (``cycles`` among them), e.g. ``{"coherence": "none"}``.
 
     ``after_lr_factor`` scales the fine level's peak learning rate after every return to it
     (and ``after_warmup`` is its warm-up); ``optimizer_state`` is ``multilevel.optimizer_state``

@@ -111,3 +111,12 @@ def records(run_dir: Path, kind: str) -> list[dict]:
 def losses(run_dir: Path) -> list[tuple]:
     """(type, global step, loss) of every train and valid record."""
     return [(r["type"], r["global_step"], r["loss"]) for r in read_metrics(run_dir) if r["type"] in ("train", "valid")]
+
+
+def module_states(tag_dir: Path) -> dict:
+    """The parameters of a one-process ZeRO-0 checkpoint, read straight from DeepSpeed's file."""
+    import torch
+
+    (path,) = tag_dir.glob("mp_rank_00_model_states.pt")
+    module = torch.load(path, map_location="cpu", weights_only=False)["module"]
+    return {k: v.float() for k, v in module.items() if not k.endswith("_extra_state")}

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from launch_helpers import launch, losses, make_corpus, preprocess, records, small_config
+from launch_helpers import launch, losses, make_corpus, module_states, preprocess, records, small_config
 
 SEQ, GLOBAL_BATCH = 32, 8
 ODE = {
@@ -328,8 +328,6 @@ def test_coarse_first_writes_the_change_into_both_layers_of_each_pair(corpus, tm
     every pair (2k, 2k + 1) coarse layer k's change, residual-branch outputs halved. Checked by hand
     on the checkpoints: the fresh fine model, the coarse model at the end of its phase, the fine
     model after prolongation."""
-    from megatron_multilevel.plan import parameter_plan
-
     ode = {"cycles": 1, "pre_steps": 0, "coarse_steps": 4, "post_steps": 0, "final_steps": 0, "coarse": "even",
            "prolongation": "constant", "optimizer_state": "map", "residual_scale": 2,
            "coarse_lr": {"peak": 4e-3, "warmup_steps": 1, "decay": "constant"}, "fine_lr": {"peak": 2e-3}}
@@ -340,7 +338,7 @@ def test_coarse_first_writes_the_change_into_both_layers_of_each_pair(corpus, tm
     summary = _summary(tmp_path / "run")
     assert [(p["level"], p["steps"]) for p in summary["phases"]] == [(0, 0), (1, 4), (0, 0)]
     ckpts = tmp_path / "run" / "checkpoints"
-    fresh, coarse, fine = (_module_states(ckpts / tag) for tag in
+    fresh, coarse, fine = (module_states(ckpts / tag) for tag in
                            ("phase00-step0000000", "phase01-step0000004", "phase02-step0000000"))
     residual = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
                 "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")  # what a coarse layer's step doubles
@@ -361,10 +359,3 @@ def test_coarse_first_writes_the_change_into_both_layers_of_each_pair(corpus, tm
                                        rtol=0, atol=1e-6)
         checked += 1
     assert checked == 2 * 12 and set(fine) == set(fresh)  # 2 coarse layers of 12 tensors (4 doubled)
-
-
-def _module_states(tag_dir) -> dict:
-    """The parameters of a one-process ZeRO-0 checkpoint, read straight from DeepSpeed's file."""
-    (path,) = tag_dir.glob("mp_rank_00_model_states.pt")
-    module = torch.load(path, map_location="cpu", weights_only=False)["module"]
-    return {k: v.float() for k, v in module.items() if not k.endswith("_extra_state")}

@@ -8,12 +8,11 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from launch_helpers import ROOT, launch, losses, make_corpus, preprocess, records, small_config
+from launch_helpers import ROOT, launch, losses, make_corpus, module_states, preprocess, records, small_config
 
 
 @pytest.fixture(scope="module")
@@ -214,19 +213,12 @@ def test_two_processes_with_changing_layouts(reference, corpus, tmp_path):
 
     for tag in ("phase01-step0000005", "phase02-step0000005"):
         full = load_source(str(tmp_path / "run" / "checkpoints" / tag)).tensors
-        truth = _module_states(reference["dir"] / "checkpoints" / tag)
+        truth = module_states(reference["dir"] / "checkpoints" / tag)
         assert full.keys() == truth.keys(), sorted(set(full) ^ set(truth))
         for name, t in truth.items():
             assert full[name].shape == t.shape, name
             # the runs differ by float rounding only: far below any two tensors' own difference
             assert (full[name] - t).norm() <= 1e-3 * t.norm() + 1e-6, (tag, name)
-
-
-def _module_states(tag_dir: Path) -> dict:
-    """The parameters of a one-process ZeRO-0 checkpoint, read straight from DeepSpeed's file."""
-    (path,) = tag_dir.glob("mp_rank_00_model_states.pt")
-    module = torch.load(path, map_location="cpu", weights_only=False)["module"]
-    return {k: v.float() for k, v in module.items() if not k.endswith("_extra_state")}
 
 
 # mapped moments, to check them across layouts too (perturbation_std across layouts:
@@ -276,7 +268,7 @@ def test_bert_to_hf_computes_the_megatron_models_logits(bert_reference, tmp_path
     with torch.no_grad():
         theirs = hf(input_ids=tokens, attention_mask=torch.ones_like(tokens),
                     token_type_ids=torch.zeros_like(tokens)).logits
-    ours = logits_full(_module_states(run / "checkpoints" / tag), cfg, tokens)
+    ours = logits_full(module_states(run / "checkpoints" / tag), cfg, tokens)
     assert theirs.shape == ours.shape == (*tokens.shape, cfg.vocab_size)
     assert (theirs - ours).abs().max() < 1e-4 * max(1.0, ours.abs().max().item())
 
@@ -383,5 +375,5 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path):
     assert all(r["loss"] == r["loss"] and abs(r["loss"]) < 1e6 for r in train)  # only finite losses logged
     assert sidecar["state"]["global_step"] <= train[-1]["global_step"]
     # the checkpoint kept holds finite weights
-    weights = _module_states(tmp_path / "run" / "checkpoints" / latest)
+    weights = module_states(tmp_path / "run" / "checkpoints" / latest)
     assert weights and all(torch.isfinite(t).all() for t in weights.values())
