@@ -375,9 +375,10 @@ class MultilevelConfig:
     levels: list[LevelConfig] = field(default_factory=list)
     """Schedule per level, finest first; exactly ``num_levels`` entries when enabled."""
     optimizer_state: Literal["reset", "map"] = "reset"
-    """At a transition, start AdamW afresh (the paper) or map its moments through the operators
-    (coalesced on the way down; de-coalesced and interpolated like the weights on the way up, or
-    only de-coalesced when a level is grown)."""
+    """At a transition, start the optimizer afresh (the paper) or map its state through the
+    operators (coalesced on the way down; de-coalesced and interpolated like the weights on the way
+    up, or only de-coalesced when a level is grown): AdamW's or Adam's moments, SGD's momentum (the
+    same optimizer at every level)."""
     perturbation_std: float = 0.0
     """Standard deviation of Gaussian noise added to every weight after de-coalescing and
     interpolation, relative to that weight's own standard deviation (breaks the symmetry of

@@ -158,3 +158,27 @@ def test_grow_cycle_schedule():
     with pytest.raises(ValueError, match=r"levels\[0\].steps_before must be 0 with cycle 'grow'"):
         load_config({"multilevel": {"enabled": True, "cycle": "grow", "alpha": 1.0,
                                     "levels": [{"steps_before": 3}, {"steps_before": 5}]}})
+
+
+def test_mapped_optimizer_state_of_each_optimizer():
+    """``optimizer_state = "map"`` carries Adam's moments or SGD's momentum (nothing for SGD
+    without momentum); another optimizer, or levels whose optimizers keep different state, are
+    refused before anything is built."""
+    from megatron_multilevel.training.engines import LevelEngines
+
+    def levels(optimizer, coarse=None):
+        multilevel = {"enabled": True, "optimizer_state": "map",
+                      "levels": [{"steps_before": 2, "steps_after": 2},
+                                 {"steps_before": 2, **({"deepspeed": {"optimizer": coarse}} if coarse else {})}]}
+        return LevelEngines(load_config({"train_batch_size": 4, "optimizer": optimizer, "multilevel": multilevel}), 1)
+
+    assert levels({"type": "AdamW"}).optimizer_state_keys() == ("exp_avg", "exp_avg_sq")
+    assert levels({"type": "SGD", "params": {"momentum": 0.9}}).optimizer_state_keys() == ("momentum_buffer",)
+    assert levels({"type": "SGD", "params": {"lr": 0.1}}).optimizer_state_keys() == ()
+    with pytest.raises(ValueError, match=r"^multilevel.optimizer_state = 'map' carries Adam's moments or SGD's "
+                                         r"momentum; optimizer.type is 'Lamb', valid choices are \['Adam', 'AdamW', 'SGD'\]$"):
+        levels({"type": "Lamb"})
+    with pytest.raises(ValueError, match=r"optimizer.type is 'Lamb' at level 1 \(multilevel.levels\[1\].deepspeed\)"):
+        levels({"type": "AdamW"}, coarse={"type": "Lamb"})
+    with pytest.raises(ValueError, match=r"level 0: \['exp_avg', 'exp_avg_sq'\], level 1: \['momentum_buffer'\]"):
+        levels({"type": "AdamW"}, coarse={"type": "SGD", "params": {"momentum": 0.9}})

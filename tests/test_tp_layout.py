@@ -90,8 +90,9 @@ def test_single_process_transition_matches_operators(keep, tmp_path):
     assert got.keys() == decoalesced.keys()
     for k, t in decoalesced.items():
         torch.testing.assert_close(got[k], 0.7 * fine_sd[k] + 0.3 * t, msg=k)
-    with pytest.raises(ValueError, match="map_moments needs the fine moments"):
-        prolong(staged.model, before, lm, 0.5, coarse_layout=Layout(), fine_layout=Layout(), map_moments=True)
+    carried_none = r"moments \['exp_avg'\] need the fine level's, kept only for those coarsen carried \(\[\]\)"
+    with pytest.raises(ValueError, match=carried_none):
+        prolong(staged.model, before, lm, 0.5, coarse_layout=Layout(), fine_layout=Layout(), moments=("exp_avg",))
 
 
 def test_uninitialised_models_carry_tensor_parallel_attributes():

@@ -24,7 +24,8 @@ STEPS = 2
 
 
 def _engine_state(engine) -> dict:
-    """Full parameters, Adam moments and step counts of an engine in any layout, by parameter name,
+    """Full parameters, optimizer state (Adam's moments, SGD's momentum) and step counts of an engine
+    in any layout, by parameter name,
     gathered with DeepSpeed's and torch.distributed's own calls (on rank 0; None elsewhere)."""
     import deepspeed
     import torch.distributed as dist
@@ -35,7 +36,7 @@ def _engine_state(engine) -> dict:
     opt = engine.optimizer
     while hasattr(opt, "optimizer"):
         opt = opt.optimizer
-    params, moments = {}, {"exp_avg": {}, "exp_avg_sq": {}}
+    params, moments = {}, {"exp_avg": {}, "exp_avg_sq": {}, "momentum_buffer": {}}
     # ZeRO-1/2 link each parameter to its slice of the flat Adam state once, after the first step of
     # the first parameter group only; link all of them for reading here, then put back the links the
     # trainer had, so that reading in this test cannot hide a trainer that reads through stale links
@@ -115,16 +116,25 @@ def run(request, corpus, tmp_path_factory):
     return _run(corpus, tmp_path_factory.mktemp(request.param), world_size, layouts)
 
 
-@pytest.fixture(scope="module")
-def correction_run(corpus, tmp_path_factory):
-    """One process, returns by the coarse correction instead of interpolation, no noise."""
-    return _run(corpus, tmp_path_factory.mktemp("correction"), 1, LAYOUTS["one-process"][1],
-                interpolation="correction", perturbation_std=0.0)
+# The optimizer state each optimizer keeps, which ``optimizer_state: "map"`` carries.
+STATE = {"AdamW": ("exp_avg", "exp_avg_sq"), "SGD": ("momentum_buffer",)}
+SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}}
 
 
-def _run(corpus, tmp, world_size, layouts, **multilevel):
+@pytest.fixture(scope="module", params=list(STATE))
+def correction_run(request, corpus, tmp_path_factory):
+    """One process, returns by the coarse correction instead of interpolation, no noise; AdamW's
+    moments or SGD's momentum carried."""
+    run = _run(corpus, tmp_path_factory.mktemp("correction"), 1, LAYOUTS["one-process"][1],
+               optimizer=SGD if request.param == "SGD" else None, interpolation="correction", perturbation_std=0.0)
+    return {**run, "state": STATE[request.param]}
+
+
+def _run(corpus, tmp, world_size, layouts, optimizer=None, **multilevel):
     base = json.loads(small_config(tmp / "base.json", kind="gpt", prefix=str(corpus / "gpt"),
                                    tokenizer_model=str(corpus / "gpt.model"), output_dir=tmp / "run").read_text())
+    if optimizer is not None:
+        base["optimizer"] = optimizer
     lr = {"peak": 2e-3, "warmup_steps": 1}
     levels = [
         {"steps_before": STEPS, "steps_after": STEPS, "lr_before": lr, "alpha": ALPHAS[0]},
@@ -213,11 +223,20 @@ def test_decoalescing_interpolates_with_each_levels_alpha_and_perturbs(run):
 def test_decoalescing_adds_the_coarse_correction(correction_run):
     """``interpolation: "correction"``: each level returns to the model it was coalesced from plus
     its level's alpha times the coarse change, de-coalesced (the coarse model's start made again
-    by coalescing that model), written out; the moments are interpolated as without it."""
+    by coalescing that model), written out; the optimizer state is coalesced on the way down and
+    interpolated on the way up as without it."""
     from megatron_multilevel.operators import coalesce, decoalesce
 
     captured = correction_run["captured"]
     assert [(c["from"], c["to"]) for c in captured] == [(0, 1), (1, 2), (2, 1), (1, 0)]
+    state = correction_run["state"]
+    for c in captured[:2]:
+        lm = correction_run["level_maps"][c["from"]]
+        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+            assert bool(c["before"]["moments"][key]) == (key in state), (key, state)
+        for key in state:
+            _assert_dicts_close(c["after"]["moments"][key], coalesce(c["before"]["moments"][key], lm),
+                                f"coalesced {key} {c['from']}")
     for c in captured[2:]:
         fine, alpha = c["to"], ALPHAS[c["to"]]
         lm = correction_run["level_maps"][fine]
@@ -228,6 +247,6 @@ def test_decoalescing_adds_the_coarse_correction(correction_run):
         _assert_dicts_close(c["after"]["params"], expected, f"corrected level {fine}")
         blended = _interpolated(before, end, alpha)
         assert max((blended[k] - expected[k]).abs().max() for k in expected) > 1e-3  # not the blend
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in state:
             want = _interpolated(before_coalescing["moments"][key], decoalesce(c["before"]["moments"][key], lm), alpha)
             _assert_dicts_close(c["after"]["moments"][key], want, f"de-coalesced {key} into level {fine}")

@@ -2,7 +2,7 @@
 
 For every layout (TP, ZeRO stage, DP) the worker trains the fine model one step, coarsens it,
 trains the coarse model one step, prolongs it back and trains one more step. At each point it
-gathers the parameters (and the Adam moments) with an independent reference gather and checks
+gathers the parameters (and the optimizer state: Adam's moments, SGD's momentum) with an independent reference gather and checks
 them against the single-process operators applied to the gathered tensors. The losses of every
 layout are then compared with the one-process run, from what each rank computed and holds on its
 own (its loss before any reduction, its parameters), so that a rank that diverges is caught.
@@ -35,25 +35,34 @@ def _model_config(variant, kind="gpt"):
     return ModelConfig(kind=kind, **kw)
 
 
-def _ds_config(stage, dp):
+# The optimizer state each optimizer of the tests keeps (what ``moments`` carries).
+STATE = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+def _ds_config(stage, dp, optimizer="adamw"):
+    if optimizer == "sgd":
+        params = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}}
+    else:
+        # A large eps: the first Adam steps must not amplify float noise in near-zero gradients
+        # into lr-sized differences between layouts.
+        params = {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-3, "weight_decay": 0.0, "torch_adam": True}}
     return {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
         "gradient_accumulation_steps": 1,
-        # A large eps: the first Adam steps must not amplify float noise in near-zero gradients
-        # into lr-sized differences between layouts.
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
+        "optimizer": params,
         "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
 
 
-def _engine(model, stage):
+def _engine(model, stage, optimizer="adamw"):
     import deepspeed
     from megatron.core import parallel_state as ps
 
     from megatron_multilevel.parallel.mpu import mpu
 
-    config = _ds_config(stage, ps.get_data_parallel_world_size())
+    config = _ds_config(stage, ps.get_data_parallel_world_size(), optimizer)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
     return engine
 
@@ -100,7 +109,7 @@ def _held_digest(engine):
 
 
 def _reference_gather(engine, cfg, key=None):
-    """Full tensors of every parameter (or Adam moment), gathered without the code under test."""
+    """Full tensors of every parameter (or optimizer state ``key``), gathered without the code under test."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_optimizer_state
@@ -210,48 +219,48 @@ def _case(case):
                         depth_scaling=case.get("depth_scaling", "none"))
     set_tensor_model_parallel_size(fine_layout.tensor_model_parallel_size)
     set_seed(7)
-    fine = _engine(build_model(cfg), fine_layout.zero_stage)
+    opt, state = case["optimizer"], STATE[case["optimizer"]]
+    moments = state if case["map_moments"] else ()
+    fine = _engine(build_model(cfg), fine_layout.zero_stage, opt)
     out = {}
     out["losses"] = [_train_step(fine, cfg, seed=1, out=out)]
     fine_full = _reference_gather(fine, cfg)
-    fine_moments = {k: _reference_gather(fine, cfg, k) for k in ("exp_avg", "exp_avg_sq")}
+    fine_moments = {k: _reference_gather(fine, cfg, k) for k in state}
 
     with _CountCollectives() as counter:
         staged, before = coarsen(
             fine.module, lm, fine_layout=fine_layout, coarse_layout=coarse_layout,
-            ds_config=_ds_config(coarse_layout.zero_stage, 1), optimizer=fine.optimizer,
-            map_moments=case["map_moments"], keep=case["keep"], keep_dir=case.get("keep_dir"),
+            ds_config=_ds_config(coarse_layout.zero_stage, 1, opt), optimizer=fine.optimizer,
+            moments=moments, keep=case["keep"], keep_dir=case.get("keep_dir"),
         )
     del fine
-    coarse = _engine(staged.model, coarse_layout.zero_stage)
+    coarse = _engine(staged.model, coarse_layout.zero_stage, opt)
     load_moments(coarse, staged)
     diffs = {"coalesce": _max_diff(_reference_gather(coarse, lm.coarse), coalesce(fine_full, lm))}
-    if case["map_moments"]:
-        for k, moments in fine_moments.items():
-            diffs[f"coalesce_{k}"] = _max_diff(_reference_gather(coarse, lm.coarse, k), coalesce(moments, lm))
+    for k in moments:
+        diffs[f"coalesce_{k}"] = _max_diff(_reference_gather(coarse, lm.coarse, k), coalesce(fine_moments[k], lm))
     out["losses"].append(_train_step(coarse, lm.coarse, seed=2, out=out))
     coarse_full = _reference_gather(coarse, lm.coarse)
-    coarse_moments = {k: _reference_gather(coarse, lm.coarse, k) for k in ("exp_avg", "exp_avg_sq")}
+    coarse_moments = {k: _reference_gather(coarse, lm.coarse, k) for k in state}
 
     with counter:
         staged = prolong(
             coarse.module, before, lm, ALPHA, coarse_layout=coarse_layout, fine_layout=fine_layout,
-            ds_config=_ds_config(fine_layout.zero_stage, 1), optimizer=coarse.optimizer,
-            map_moments=case["map_moments"], correction=case.get("correction", False),
+            ds_config=_ds_config(fine_layout.zero_stage, 1, opt), optimizer=coarse.optimizer,
+            moments=moments, correction=case.get("correction", False),
         )
     out["collectives"], out["largest"] = counter.count, counter.largest
     del coarse
-    fine = _engine(staged.model, fine_layout.zero_stage)
+    fine = _engine(staged.model, fine_layout.zero_stage, opt)
     load_moments(fine, staged)
     if case.get("correction"):  # the coarse change added to the fine model (moments are blended)
         expected = correct_model(fine_full, coarse_full, lm, ALPHA)
     else:
         expected = interpolate(fine_full, decoalesce(coarse_full, lm), ALPHA)
     diffs["prolong"] = _max_diff(_reference_gather(fine, cfg), expected)
-    if case["map_moments"]:
-        for k in coarse_moments:
-            expected = interpolate(fine_moments[k], decoalesce(coarse_moments[k], lm), ALPHA)
-            diffs[f"prolong_{k}"] = _max_diff(_reference_gather(fine, cfg, k), expected)
+    for k in moments:
+        expected = interpolate(fine_moments[k], decoalesce(coarse_moments[k], lm), ALPHA)
+        diffs[f"prolong_{k}"] = _max_diff(_reference_gather(fine, cfg, k), expected)
     out["losses"].append(_train_step(fine, cfg, seed=3, out=out))
     out["diffs"] = diffs
     return out
@@ -262,10 +271,11 @@ def _worker(rank, world, cases):
 
 
 def _cases(variant, layouts, map_moments=True, keep="memory", keep_dir=None, groupings=(2, 2), correction=False,
-           depth_scaling="none"):
+           depth_scaling="none", optimizer="adamw"):
     return [
         dict(variant=variant, fine_tp=a, fine_stage=b, coarse_tp=c, coarse_stage=d, map_moments=map_moments,
-             keep=keep, keep_dir=keep_dir, groupings=groupings, correction=correction, depth_scaling=depth_scaling)
+             keep=keep, keep_dir=keep_dir, groupings=groupings, correction=correction, depth_scaling=depth_scaling,
+             optimizer=optimizer)
         for a, b, c, d in layouts
     ]
 
@@ -293,12 +303,14 @@ def reference(tmp_path_factory):
     cases = [c for mm in (True, False) for v in ("gpt", "llama") for c in _cases(v, [(1, 0, 1, 0)], mm)]
     cases += _cases("gpt", [(1, 0, 1, 0)], correction=True) + _cases("gpt", [(1, 0, 1, 0)], correction=True,
                                                                       depth_scaling="identity")
+    cases += _cases("gpt", [(1, 0, 1, 0)], optimizer="sgd") + _cases("gpt", [(1, 0, 1, 0)], correction=True,
+                                                                     optimizer="sgd")
     (results,) = run_ranks(_worker, 1, tmp_path_factory.mktemp("ref"), cases)
     return {_key(c): r for c, r in zip(cases, results)}
 
 
 def _key(case):
-    return case["variant"], case["map_moments"], case["correction"], case["depth_scaling"]
+    return case["variant"], case["map_moments"], case["correction"], case["depth_scaling"], case["optimizer"]
 
 
 def _check_ranks_agree(case, per_rank, ref_losses=None):
@@ -355,10 +367,13 @@ def test_two_ranks(reference, tmp_path):
     cases += _cases("gpt", [(1, 3, 1, 3)], correction=True, depth_scaling="identity")
     cases += _cases("gpt", [(2, 0, 2, 0)], map_moments=False, keep="cpu")
     cases += _cases("gpt", [(2, 0, 2, 0)], correction=True)
+    # SGD's momentum carried instead of Adam's moments: ZeRO-2, ZeRO-3 streaming with the correction
+    cases += _cases("gpt", [(1, 2, 1, 2)], optimizer="sgd") + _cases("gpt", [(1, 3, 1, 3)], correction=True,
+                                                                     optimizer="sgd")
     results = run_ranks(_worker, 2, tmp_path, cases)
     _check(results, cases, reference)
     # The fast path (TP=2 at both levels, shard-local groupings, no ZeRO-3) communicates nothing.
-    assert results[0][-1]["collectives"] == 0 and results[0][-2]["collectives"] == 0
+    assert results[0][-3]["collectives"] == 0 and results[0][-4]["collectives"] == 0
     assert results[0][3]["collectives"] > 0  # ZeRO-3 gathers
     assert list((tmp_path / "keep" / "params").glob("layer*.rank1.pt"))
 
@@ -417,7 +432,7 @@ def _grow_worker(rank, world, layouts, depth_scaling="none"):
         moments = {k: _reference_gather(coarse, lm.coarse, k) for k in (None, "exp_avg", "exp_avg_sq")}
         staged = prolong(coarse.module, None, lm, 1.0, coarse_layout=Layout(coarse_tp, coarse_stage),
                          fine_layout=Layout(fine_tp, fine_stage), ds_config=_ds_config(fine_stage, 1),
-                         optimizer=coarse.optimizer, map_moments=True)
+                         optimizer=coarse.optimizer, moments=STATE["adamw"])
         del coarse
         fine = _engine(staged.model, fine_stage)
         load_moments(fine, staged)

@@ -22,7 +22,7 @@ tensors (or full rows).
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,9 +50,6 @@ from megatron_multilevel.parallel.streams import (
     vocab_slabs,
 )
 from megatron_multilevel.plan import layer_prefix
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -154,7 +151,7 @@ def coarsen(
     coarse_layout: Layout,
     ds_config: Optional[dict] = None,
     optimizer=None,
-    map_moments: bool = False,
+    moments: Sequence[str] = (),
     keep: Storage = "memory",
     keep_dir: Optional[str] = None,
 ) -> tuple[Staged, FineSnapshot]:
@@ -162,8 +159,10 @@ def coarsen(
 
     ``fine_module`` runs in ``fine_layout`` (the current parallel_state); the coarse model is
     built in ``coarse_layout``. ``keep`` says where the fine snapshot lives: "memory" (on the
-    device), "cpu" or "disk" (under ``keep_dir``). With ``map_moments``, ``optimizer`` is the fine
-    engine's optimizer and the coalesced Adam moments are staged for :func:`load_moments`.
+    device), "cpu" or "disk" (under ``keep_dir``). ``moments`` names the optimizer state to carry
+    (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``: ``config.optimizer_state_keys``);
+    with it, ``optimizer`` is the fine engine's optimizer and the coalesced state is staged for
+    :func:`load_moments`.
     """
     _check_layouts(level_map, fine_layout, coarse_layout)
     fast = uses_fast_path(level_map, fine_layout, coarse_layout)
@@ -176,17 +175,16 @@ def coarsen(
         return Snapshot(group, storage=keep, directory=directory)
 
     readers = {None: ModelReader(fine_module, level_map.fine, fine_groups, local=fast)}
-    if map_moments:
-        readers.update(
-            {k: ModelReader(fine_module, level_map.fine, fine_groups, local=fast, optimizer=optimizer, state_key=k)
-             for k in MOMENTS}
-        )
-    before = FineSnapshot(snapshot("params"), step=_adam_step(optimizer) if map_moments else 0)
+    readers.update(
+        {k: ModelReader(fine_module, level_map.fine, fine_groups, local=fast, optimizer=optimizer, state_key=k)
+         for k in moments}
+    )
+    before = FineSnapshot(snapshot("params"), step=_adam_step(optimizer) if moments else 0)
     coarse_model = _build_target(level_map.coarse, coarse_layout, ds_config)
     writer = ModelWriter(coarse_model, level_map.coarse, Groups.current(), local=fast)
     _coarsen_stream(readers[None], writer, op_map, tee=before.params)
     staged = Staged(coarse_model, level_map.coarse, fast, step=before.step)
-    for key in MOMENTS if map_moments else ():
+    for key in moments:
         before.moments[key] = snapshot(key)
         staged.moments[key] = Snapshot(group)
         _coarsen_stream(readers[key], staged.moments[key], op_map, tee=before.moments[key])
@@ -200,7 +198,7 @@ def snapshot_level(
     fine_layout: Layout,
     coarse_layout: Layout,
     optimizer=None,
-    map_moments: bool = False,
+    moments: Sequence[str] = (),
     keep: Storage = "memory",
     keep_dir: Optional[str] = None,
 ) -> FineSnapshot:
@@ -210,8 +208,8 @@ def snapshot_level(
     fast = uses_fast_path(level_map, fine_layout, coarse_layout)
     groups = Groups.current()
     group = _snapshot_group(fast)
-    keys = (None,) + (MOMENTS if map_moments else ())
-    before = FineSnapshot(None, step=_adam_step(optimizer) if map_moments else 0)
+    keys = (None,) + tuple(moments)
+    before = FineSnapshot(None, step=_adam_step(optimizer) if moments else 0)
     for key in keys:
         kind = key or "params"
         snapshot = Snapshot(group, storage=keep, directory=None if keep_dir is None else f"{keep_dir}/{kind}")
@@ -234,7 +232,7 @@ def prolong(
     fine_layout: Layout,
     ds_config: Optional[dict] = None,
     optimizer=None,
-    map_moments: bool = False,
+    moments: Sequence[str] = (),
     perturbation_std: float = 0.0,
     seed: int = 0,
     correction: bool = False,
@@ -246,23 +244,25 @@ def prolong(
     optimizer's de-coalesced); with ``correction``, ``before + alpha * (decoalesce(coarse) -
     decoalesce(coalesce(before)))`` (``operators.correct_model``; mapped moments are blended), plus,
     with ``perturbation_std``, Gaussian noise of that size relative to each weight's own standard
-    deviation (seeded by ``seed`` and the parameter's name: the same on every rank).
+    deviation (seeded by ``seed`` and the parameter's name: the same on every rank). ``moments``
+    names the optimizer state carried, as for :func:`coarsen`.
     """
     check_alpha(alpha)
     _check_layouts(level_map, fine_layout, coarse_layout)
     if before is None and alpha != 1.0:
         raise ValueError(f"prolong: alpha {alpha} interpolates with the model before coalescing, and there is none")
-    if map_moments and before is not None and not before.moments:
-        raise ValueError("prolong: map_moments needs the fine moments, kept only if coarsen mapped them")
+    if before is not None and set(moments) - set(before.moments):
+        raise ValueError(f"prolong: moments {list(moments)} need the fine level's, kept only for those coarsen "
+                         f"carried ({list(before.moments)})")
     fast = uses_fast_path(level_map, fine_layout, coarse_layout)
     coarse_groups = Groups.current()
     op_map = level_map.shard(coarse_groups.tp_rank, coarse_groups.tp_size) if fast else level_map
     reader = ModelReader(coarse_module, level_map.coarse, coarse_groups, local=fast)
     moment_readers = {
         k: ModelReader(coarse_module, level_map.coarse, coarse_groups, local=fast, optimizer=optimizer, state_key=k)
-        for k in (MOMENTS if map_moments else ())
+        for k in moments
     }
-    step = _adam_step(optimizer) if map_moments else 0
+    step = _adam_step(optimizer) if moments else 0
     fine_model = _build_target(level_map.fine, fine_layout, ds_config)
     writer = ModelWriter(fine_model, level_map.fine, Groups.current(), local=fast)
     _prolong_stream(reader, before and before.params, writer, op_map, alpha, perturbation_std=perturbation_std,

@@ -43,11 +43,27 @@ class LevelEngines:
                     f"level {level}: train_batch_size = {self.global_batch} is not divisible by "
                     f"gradient_accumulation_steps ({self.accumulation}) x data-parallel size ({dp})"
                 )
-        optimizer = ds.get("optimizer", {"type": "AdamW"})
-        if cfg.multilevel.optimizer_state == "map" and optimizer.get("type", "").lower() not in ADAM_TYPES:
+        if cfg.multilevel.optimizer_state == "map":
+            self._check_mapped_state()
+
+    def _check_mapped_state(self) -> None:
+        """``optimizer_state = "map"`` carries an optimizer's state through every transition: it
+        must be one whose state the transitions know, the same at every level."""
+        keys = []
+        for level in range(len(self.tp_sizes)):
+            kind = self.cfg.level_deepspeed(level).get("optimizer", {"type": "AdamW"}).get("type", "")
+            if kind.lower() not in ADAM_TYPES and kind != "SGD":
+                where = "" if level == 0 else f" at level {level} (multilevel.levels[{level}].deepspeed)"
+                raise ValueError(
+                    f"multilevel.optimizer_state = 'map' carries Adam's moments or SGD's momentum; "
+                    f"optimizer.type is {kind!r}{where}, valid choices are ['Adam', 'AdamW', 'SGD']"
+                )
+            keys.append(optimizer_state_keys(self.cfg.level_deepspeed(level)))
+        if len(set(keys)) > 1:
             raise ValueError(
-                f"multilevel.optimizer_state = 'map' needs an Adam optimizer; optimizer.type is "
-                f"{optimizer.get('type')!r}, valid choices are ['Adam', 'AdamW']"
+                f"multilevel.optimizer_state = 'map' carries one optimizer's state through every level, and "
+                f"the levels' optimizers keep different state ({', '.join(f'level {i}: {list(k)}' for i, k in enumerate(keys))}); "
+                f"use the same optimizer at every level, or optimizer_state 'reset'"
             )
 
     def micro_batch(self, level: int) -> int:

@@ -114,16 +114,21 @@ class Trainer:
         phase = self.phases[checkpoint.phase_of(tag)]
         assert phase.level == level and phase.name == "before", (level, tag, phase)
         engine = self._engine(self.levels.build_empty_model(level), phase)
-        mapped = self.cfg.multilevel.optimizer_state == "map"
+        mapped = self._mapped_state()
         checkpoint.load(engine, self.run_dir, tag, module_only=not mapped, restore_rng=False)
         snapshot = snapshot_level(
             engine.module, self.level_maps[level], fine_layout=self.levels.layout(level),
-            coarse_layout=self.levels.layout(level + 1), optimizer=engine.optimizer, map_moments=mapped,
+            coarse_layout=self.levels.layout(level + 1), optimizer=engine.optimizer, moments=mapped,
             keep=self.cfg.multilevel.keep_fine, keep_dir=self._keep_dir(level),
         )
         del engine
         gc.collect()
         return snapshot
+
+    def _mapped_state(self) -> tuple[str, ...]:
+        """The optimizer state the coalescing transitions carry: none unless ``optimizer_state`` is
+        ``map``; then Adam's moments, or SGD's momentum."""
+        return self.levels.optimizer_state_keys() if self.cfg.multilevel.optimizer_state == "map" else ()
 
     def _keep_dir(self, level: int) -> str:
         return os.path.join(self.run_dir, "snapshots", f"level{level}")
@@ -305,7 +310,7 @@ class Trainer:
     def _coalesce_transition(self, phase: Phase, nxt: Phase, end_tag: str) -> str:
         """Coalesce into, or de-coalesce (and interpolate) into, ``nxt``'s level; returns what was done."""
         ml = self.cfg.multilevel
-        mapped = ml.optimizer_state == "map"
+        mapped = self._mapped_state()
         old = self.engine
         ds = self.levels.ds_config(nxt.level, nxt.lr.peak)
         if nxt.level > phase.level:
@@ -313,7 +318,7 @@ class Trainer:
             staged, before = coarsen(
                 old.module, self.level_maps[phase.level], fine_layout=self.levels.layout(phase.level),
                 coarse_layout=self.levels.layout(nxt.level), ds_config=ds, optimizer=old.optimizer,
-                map_moments=mapped, keep=ml.keep_fine, keep_dir=self._keep_dir(phase.level),
+                moments=mapped, keep=ml.keep_fine, keep_dir=self._keep_dir(phase.level),
             )
             self.snapshots[phase.level] = before
             self.state.open_levels[phase.level] = end_tag
@@ -326,7 +331,7 @@ class Trainer:
             staged = prolong(
                 old.module, before, self.level_maps[nxt.level], alpha,
                 coarse_layout=self.levels.layout(phase.level), fine_layout=self.levels.layout(nxt.level),
-                ds_config=ds, optimizer=old.optimizer, map_moments=mapped,
+                ds_config=ds, optimizer=old.optimizer, moments=mapped,
                 perturbation_std=ml.perturbation_std, seed=self.cfg.training.seed + nxt.index,
                 correction=ml.interpolation == "correction",
             )
