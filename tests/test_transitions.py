@@ -2,8 +2,9 @@
 
 For every layout (TP, ZeRO stage, DP) the worker trains the fine model one step, coarsens it,
 trains the coarse model one step, prolongs it back and trains one more step. At each point it
-gathers the parameters (and the optimizer state: Adam's moments, SGD's momentum) with an independent reference gather and checks
-them against the single-process operators applied to the gathered tensors. The losses of every
+gathers the parameters (and the optimizer state: Adam's moments, SGD's momentum) with an
+independent reference gather and checks them against the single-process operators applied to the
+gathered tensors. The losses of every
 layout are then compared with the one-process run, from what each rank computed and holds on its
 own (its loss before any reduction, its parameters), so that a rank that diverges is caught.
 """

@@ -51,6 +51,7 @@ from megatron_multilevel.parallel.streams import (
 )
 from megatron_multilevel.plan import layer_prefix
 
+
 @dataclass(frozen=True)
 class Layout:
     """How one level is laid out over the ranks (data parallelism takes the rest)."""

@@ -60,10 +60,11 @@ class LevelEngines:
                 )
             keys.append(optimizer_state_keys(self.cfg.level_deepspeed(level)))
         if len(set(keys)) > 1:
+            states = ", ".join(f"level {i}: {list(k)}" for i, k in enumerate(keys))
             raise ValueError(
                 f"multilevel.optimizer_state = 'map' carries one optimizer's state through every level, and "
-                f"the levels' optimizers keep different state ({', '.join(f'level {i}: {list(k)}' for i, k in enumerate(keys))}); "
-                f"use the same optimizer at every level, or optimizer_state 'reset'"
+                f"the levels' optimizers keep different state ({states}); use the same optimizer at every "
+                f"level, or optimizer_state 'reset'"
             )
 
     def micro_batch(self, level: int) -> int:
