@@ -677,10 +677,10 @@ class RunConfig:
         state = self.multilevel.ode.optimizer_state
         optimizer = ds.get("optimizer", {"type": "AdamW"})
         kind = optimizer.get("type", "")
-        if kind.lower() not in ("adam", "adamw") and kind != "SGD":
+        if not carries_optimizer_state(kind):
             raise ValueError(
                 f"optimizer.type = {kind!r}: the ODE strategy carries the state of "
-                f"{list(OPTIMIZER_STATE_KEYS)}; valid choices are ['Adam', 'AdamW', 'SGD']"
+                f"{list(OPTIMIZER_STATE_KEYS)}; valid choices are {list(STATE_OPTIMIZERS)}"
             )
         stage = ds.get("zero_optimization", {}).get("stage", 0)
         if stage not in ZERO_STAGES:
@@ -807,6 +807,13 @@ class RunConfig:
 # The optimizer state the ODE strategy keeps or maps, by DeepSpeed optimizer type (lower case).
 OPTIMIZER_STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"),
                         "sgd": ("momentum_buffer",)}
+# Their DeepSpeed spellings: the Adam types in any case, torch's SGD only as spelled.
+STATE_OPTIMIZERS = ("Adam", "AdamW", "SGD")
+
+
+def carries_optimizer_state(kind: str) -> bool:
+    """Whether the transitions know the state of DeepSpeed's ``optimizer.type`` ``kind``."""
+    return kind.lower() in ("adam", "adamw") or kind == "SGD"
 
 
 OUR_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "deepspeed")

@@ -8,10 +8,14 @@ from typing import Callable
 
 import torch
 
-from megatron_multilevel.config import ModelConfig, RunConfig, optimizer_state_keys
+from megatron_multilevel.config import (
+    STATE_OPTIMIZERS,
+    ModelConfig,
+    RunConfig,
+    carries_optimizer_state,
+    optimizer_state_keys,
+)
 from megatron_multilevel.parallel.transition import Layout
-
-ADAM_TYPES = ("adam", "adamw")
 
 
 class LevelEngines:
@@ -51,14 +55,15 @@ class LevelEngines:
         must be one whose state the transitions know, the same at every level."""
         keys = []
         for level in range(len(self.tp_sizes)):
-            kind = self.cfg.level_deepspeed(level).get("optimizer", {"type": "AdamW"}).get("type", "")
-            if kind.lower() not in ADAM_TYPES and kind != "SGD":
+            ds = self.cfg.level_deepspeed(level)
+            kind = ds.get("optimizer", {"type": "AdamW"}).get("type", "")
+            if not carries_optimizer_state(kind):
                 where = "" if level == 0 else f" at level {level} (multilevel.levels[{level}].deepspeed)"
                 raise ValueError(
                     f"multilevel.optimizer_state = 'map' carries Adam's moments or SGD's momentum; "
-                    f"optimizer.type is {kind!r}{where}, valid choices are ['Adam', 'AdamW', 'SGD']"
+                    f"optimizer.type is {kind!r}{where}, valid choices are {list(STATE_OPTIMIZERS)}"
                 )
-            keys.append(optimizer_state_keys(self.cfg.level_deepspeed(level)))
+            keys.append(optimizer_state_keys(ds))
         if len(set(keys)) > 1:
             states = ", ".join(f"level {i}: {list(k)}" for i, k in enumerate(keys))
             raise ValueError(
