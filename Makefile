@@ -2,7 +2,8 @@
 # when pyproject.toml changes) and reuses it after:
 #
 #   make run     the main job: a multilevel run (the recipe: an F-cycle) on the embedded default and its baseline (launch/pretrain_vcycle.sh)
-#   make test    the tests (python -m pytest -q tests)
+#   make test    the tests (python -m pytest -q tests), less the long multi-process cases marked slow
+#   make test-all    every test, the slow ones included
 #
 # ARGS go to the launcher, e.g. make run ARGS="configs/bert_tiny_cpu.json --num_procs 2".
 # Your own environment (a GPU machine's CUDA torch), no .venv: make run PYTHON=python
@@ -18,12 +19,15 @@ endif
 # DeepSpeed compiles its small CPU ops once into this cache.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: run test setup
+.PHONY: run test test-all setup
 run: $(SETUP)
 	PYTHON="$(PYTHON)" launch/pretrain_vcycle.sh $(ARGS)
 
 test: $(SETUP)
 	"$(PYTHON)" -m pytest -q tests
+
+test-all: $(SETUP)
+	"$(PYTHON)" -m pytest -q tests -m ""
 
 setup: $(STAMP)
 

@@ -153,7 +153,7 @@ def apply(repo: Path, mutation: Mutation, *, dry_run: bool = False) -> None:
 def run_tests(repo: Path, tests) -> tuple[int, list[str], float]:
     """pytest's exit status, the tests that failed, and the seconds it took."""
     t0 = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "", *tests],
                             cwd=repo, env=environment(repo), capture_output=True, text=True)
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", result.stdout, flags=re.M)
     if result.returncode not in (0, 1):

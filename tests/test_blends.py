@@ -118,6 +118,7 @@ def test_blend_errors(dist_single, datasets):
         _config(datasets, prefix=datasets["words"])
 
 
+@pytest.mark.slow
 def test_a_blended_run_resumes_on_the_same_trajectory(datasets, tmp_path):
     """One process, a V-cycle on the blend: killed mid-phase and resumed, it logs the losses of an
     uninterrupted run."""

@@ -68,6 +68,7 @@ def test_to_full_from_zero3_and_tensor_parallel(run, tmp_path):
     assert "2 layers, hidden 32" in info.stdout
 
 
+@pytest.mark.slow
 def test_reshard_then_continue_training(run, tmp_path):
     resharded = tmp_path / "run_tp2"
     out = ok(convert("reshard", run["dir"], resharded, "--target-tp", 2))

@@ -132,8 +132,12 @@ def _assert_same_run(run, reference_dir, tol):
 
 
 # Global steps: pre 1-2, coarse 3-5 (a checkpoint at 3), post 6-7, pre 8-9, coarse 10-12, post 13-14, final 15-16.
-@pytest.mark.parametrize("crash_at, resumed_phase", [("step4", 1), ("transition2", 1), ("transition4", 3)],
-                         ids=["mid-coarse", "during-prolongation", "during-restriction"])
+# The kills during a transition are slow; mid-coarse resumes the coarse model and its restriction.
+@pytest.mark.parametrize("crash_at, resumed_phase", [
+    pytest.param("step4", 1, id="mid-coarse"),
+    pytest.param("transition2", 1, id="during-prolongation", marks=pytest.mark.slow),
+    pytest.param("transition4", 3, id="during-restriction", marks=pytest.mark.slow),
+])
 def test_resume_after_kill_follows_the_same_trajectory(reference, corpus, tmp_path, crash_at, resumed_phase):
     training = {"output_dir": str(tmp_path / "run"), "log_interval": 1, "eval_interval": 4, "eval_batches": 2,
                 "save_interval": 3, "seed": 5, "keep_checkpoints": 100}
@@ -161,6 +165,7 @@ def test_sgd_with_momentum_kept(sgd_reference):
     assert valid[-1]["loss"] < valid[0]["loss"] - 0.3
 
 
+@pytest.mark.slow
 def test_sgd_resume_mid_coarse_phase(sgd_reference, corpus, tmp_path):
     """Killed in the first coarse phase after its checkpoint at global step 3: the kept momentum of
     the fine model comes back from the checkpoint before the coarse phase."""
@@ -195,6 +200,7 @@ def test_two_processes_tensor_parallel(reference, corpus, tmp_path):
     _assert_same_run(tmp_path / "run", reference["dir"], 2e-4)
 
 
+@pytest.mark.slow
 def test_two_processes_zero3(corpus, tmp_path):
     """DP=2 with ZeRO-3 (parameters gathered one at a time, the fine model kept on disk): the
     one-process ZeRO-3 run. (A ZeRO-3 model is initialised under ``deepspeed.zero.Init``, whose
@@ -248,6 +254,7 @@ def test_two_processes_coarse_tensor_parallel_change(reference, coarse_layout_ru
     assert _ranks_of(ckpts / "phase02-step0000002") == (2, 1)
 
 
+@pytest.mark.slow
 def test_coarse_tensor_parallel_change_resumes_on_the_same_trajectory(coarse_layout_run, corpus, tmp_path):
     """Killed mid coarse phase (after its checkpoint at global step 3): the tools read the coarse
     checkpoint in its own layout; the resumed run rebuilds the fine model from the TP=2 checkpoint

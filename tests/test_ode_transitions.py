@@ -268,6 +268,7 @@ def test_two_processes(reference, tmp_path):
     assert results[0][0]["collectives"] == 0  # TP=2, no ZeRO-3: every rank maps its own shards
 
 
+@pytest.mark.slow
 def test_two_processes_tensor_parallel_change(reference, tmp_path):
     """The coarse model at another TP size than the fine one (TP=2 <-> TP=1 with DP=2), ZeRO stages
     equal or not on the two sides: every tensor gathered, mapped and resharded; the one-process

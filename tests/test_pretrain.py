@@ -115,7 +115,14 @@ def _crash_and_resume(tmp_path, corpus, crash_at, **blocks):
 KILLS = {"step7": 1, "transition1": 0, "transition2": 1, "save:phase01-step0000003": 0}
 
 
-@pytest.mark.parametrize("crash_at", list(KILLS), ids=["mid-phase", "during-coalesce", "during-prolong", "mid-save"])
+# mid-phase and during-prolong are slow: the kill during coalescing and the one while a checkpoint is
+# being written cover the resume path in the default set.
+@pytest.mark.parametrize("crash_at", [
+    pytest.param("step7", id="mid-phase", marks=pytest.mark.slow),
+    pytest.param("transition1", id="during-coalesce"),
+    pytest.param("transition2", id="during-prolong", marks=pytest.mark.slow),
+    pytest.param("save:phase01-step0000003", id="mid-save"),
+])
 def test_resume_after_kill_follows_the_same_trajectory(reference, corpus, tmp_path, crash_at):
     run = _crash_and_resume(tmp_path, corpus, crash_at)
     assert [r["phase"] for r in records(run, "resume")] == [KILLS[crash_at]]
@@ -157,7 +164,10 @@ def test_w_cycle(w_reference):
     assert plot.returncode == 0, plot.stderr
 
 
-@pytest.mark.parametrize("crash_at", ["step14", "transition4"], ids=["second-coarse-visit", "during-last-prolong"])
+@pytest.mark.parametrize("crash_at", [
+    pytest.param("step14", id="second-coarse-visit"),
+    pytest.param("transition4", id="during-last-prolong", marks=pytest.mark.slow),
+])
 def test_w_cycle_resume_after_kill(w_reference, corpus, tmp_path, crash_at):
     """Killed in the second coarse visit (phase 3, global steps 12-16) or de-coalescing after it:
     the resume rebuilds level 0 as it was before its second coalescing (phase 2), not its first."""
@@ -295,10 +305,11 @@ def test_two_nodes_on_localhost(reference, corpus, tmp_path):
 
 def test_default_command_runs_the_embedded_corpus(tmp_path):
     """The README's main job (shortened): no config, the embedded default corpus."""
+    # preparing the corpus (a tokenizer trained on it) takes most of the time: 5-10 minutes on 2 slow cores
     result = _ok(launch(
         f"training.output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}",
         "multilevel.levels.0.steps_before=2", "multilevel.levels.1.steps_before=2",
-        "multilevel.levels.0.steps_after=2", "training.eval_batches=1",
+        "multilevel.levels.0.steps_after=2", "training.eval_batches=1", timeout=1800,
     ))
     assert "preparing the embedded corpus" in result.stdout and "done: final validation loss" in result.stdout
     assert list((tmp_path / "cache").glob("stdlib-*/tokenizer.model"))

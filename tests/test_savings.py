@@ -189,6 +189,7 @@ def _bench(tmp_path, *extra):
     return result
 
 
+@pytest.mark.slow
 def test_benchmark_end_to_end(tmp_path):
     inputs = make_corpus(tmp_path / "corpus")
     assert preprocess(inputs, tmp_path / "gpt").returncode == 0

@@ -129,6 +129,7 @@ TP_CHANGE = _cases("gpt", [(4, 1, 2, 3)], groupings=(4, 2))  # TP=4 -> TP=2 x DP
 SAME_TP4 = _cases("wide", [(4, 0, 4, 0)], groupings=(4, 4))  # TP=4 at both levels: the fast path
 
 
+@pytest.mark.slow
 def test_four_ranks_across_a_tp_change(tmp_path):
     cases = TP_CHANGE + SAME_TP4
     (one,) = run_ranks(_worker, 1, tmp_path / "one", [dict(c, fine_tp=1, fine_stage=0, coarse_tp=1, coarse_stage=0)

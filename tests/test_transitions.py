@@ -379,12 +379,14 @@ def test_two_ranks(reference, tmp_path):
     assert list((tmp_path / "keep" / "params").glob("layer*.rank1.pt"))
 
 
+@pytest.mark.slow
 def test_four_ranks(reference, tmp_path):
     cases = _cases("gpt", FOUR_RANKS) + _cases("llama", [(2, 1, 2, 1)])
     results = run_ranks(_worker, 4, tmp_path, cases)
     _check(results, cases, reference)
 
 
+@pytest.mark.slow
 def test_vocabulary_moves_in_slabs(tmp_path):
     """The word embedding (tied, GPT) and the untied output layer (Llama) move in slabs of 24
     vocabulary rows: 250 rows are 10 slabs and a partial one; the DP=2 ZeRO-3 partitions and the
