@@ -37,7 +37,7 @@ def _engine_state(engine) -> dict:
     while hasattr(opt, "optimizer"):
         opt = opt.optimizer
     params, moments = {}, {"exp_avg": {}, "exp_avg_sq": {}, "momentum_buffer": {}}
-    # ZeRO's reader raises for a key its optimizer does not keep: read only this optimizer's
+    # ZeRO's reader raises for a key its optimizer does not keep: read only this optimizer's keys
     carried = ("momentum_buffer",) if isinstance(opt, torch.optim.SGD) else ("exp_avg", "exp_avg_sq")
     # ZeRO-1/2 link each parameter to its slice of the flat Adam state once, after the first step of
     # the first parameter group only; link all of them for reading here, then put back the links the
