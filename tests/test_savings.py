@@ -343,6 +343,36 @@ def test_a_kept_run_is_reused_from_another_checkout_only(tmp_path):
     assert config["data"]["cache_dir"] == "/a/.cache/data"  # the caller's config is left as it was
 
 
+def test_step_times_measured_again_for_a_shape_added_since(tmp_path):
+    """The kept per-step times are reused while they cover every shape the kept runs train; a
+    method added since that trains another shape has every shape measured again, together."""
+    tool = _tool()
+    calls = []
+
+    def measure(configs):
+        calls.append(sorted(configs))
+        return {"8x256": {"seconds_per_step": 1.0}, "4x256": {"seconds_per_step": 0.5},
+                "4x128": {"seconds_per_step": 0.2}}
+
+    def run(method, *shapes):
+        return {"method": method, "config": {"m": method},
+                "phases": [{"model": {"num_layers": n, "hidden_size": h}} for n, h in shapes]}
+
+    path = tmp_path / "step_time.json"
+    path.write_text(json.dumps({"version": "v1", "times": {"8x256": {"seconds_per_step": 0.9},
+                                                           "4x256": {"seconds_per_step": 0.4}}}))
+    depth = [run("scratch", (8, 256)), run("fcycle2", (4, 256), (8, 256))]
+    assert tool.kept_step_times(str(path), "v1", depth, measure)["8x256"]["seconds_per_step"] == 0.9
+    assert calls == []  # every shape kept: reused
+    both = depth + [run("fcycle2-width+depth", (4, 128), (8, 256))]
+    times = tool.kept_step_times(str(path), "v1", both, measure)
+    assert calls == [["fcycle2", "fcycle2-width+depth", "scratch"]] and set(times) == {"8x256", "4x256", "4x128"}
+    assert json.loads(path.read_text()) == {"version": "v1", "times": times}  # kept for the next report
+    assert tool.kept_step_times(str(path), "v1", both, measure) == times and len(calls) == 1
+    tool.kept_step_times(str(path), "v2", depth, measure)  # other code: measured again
+    assert len(calls) == 2
+
+
 def _study_results(commit: str, seeds: dict) -> dict:
     """A made-up results.json of one point with scratch and ``fcycle2`` (0.1 below scratch):
     ``seeds[seed] = (scratch loss, (fcycle2's equal-quality saving, its crossing saving, its bound))``."""

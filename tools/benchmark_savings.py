@@ -211,6 +211,24 @@ def step_times(configs: dict[str, dict], *, steps: int = 12) -> dict:
             for name in shapes}
 
 
+def kept_step_times(path: str, version: str, results: list[dict], measure=step_times) -> dict:
+    """The per-step times of every shape the kept ``results`` train: those kept in ``path`` when made
+    by this code version and covering every such shape, else all measured again (``measure``) and kept."""
+    times = None
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = json.load(f)
+        times = kept["times"] if kept["version"] == version else None
+    shapes = {shape_name(p["model"]) for r in results for p in r["phases"]}
+    if times is None or not shapes <= set(times):
+        # every shape measured again, together, when a method added since trains a shape the kept
+        # times lack: per-step times are comparable only when measured in one process
+        times = measure({name: json.loads(json.dumps(r["config"])) for name, r in
+                         {r["method"]: r for r in results}.items()})
+        _write_json(path, {"version": version, "times": times})
+    return times
+
+
 def normalized_seconds(phases: list[dict], times: dict) -> float:
     """A run's training time in seconds of the per-step times measured in one process: each
     phase's steps times its shape's time per step (transitions not counted)."""
@@ -498,16 +516,7 @@ def report(args, base: dict, names: list[str], version: str, results_dir: str, s
     if not results:
         print(f"no kept results of this code version ({version}) in {results_dir}: nothing to report", flush=True)
         return {}
-    times_path = os.path.join(args.results or args.out, "step_time.json")
-    times = None
-    if os.path.exists(times_path):
-        with open(times_path) as f:
-            kept = json.load(f)
-        times = kept["times"] if kept["version"] == version else None
-    if times is None:
-        times = step_times({name: json.loads(json.dumps(r["config"])) for name, r in
-                            {r["method"]: r for r in results}.items()})
-        _write_json(times_path, {"version": version, "times": times})
+    times = kept_step_times(os.path.join(args.results or args.out, "step_time.json"), version, results)
     summary = collect(results, times)
     summary.update(command="python tools/benchmark_savings.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                    version=version, commits=sorted({r["commit"] for r in results}),
