@@ -31,6 +31,9 @@ RECIPES=(
   # correction, alpha 1), AdamW moments carried through every transition, one learning-rate
   # schedule over the whole run
   "--methods fcycle2 $RECIPE $FRACTIONS"
+  # the candidate for the next recipe, from the ablation: the same F-cycle with a second coarse visit
+  # half as long as the first (the recipe's is a quarter)
+  "--methods fcycle2 $RECIPE --fcycle-revisit 0.5 --tag=-revisit0.5 $FRACTIONS"
   # progressive stacking with the same share, growth, moments and schedule (and no re-warm-up)
   "--methods stacking --depth-scaling identity --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue $FRACTIONS"
   # progressive stacking as published: half depth from scratch for half the steps, stacked,
