@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -639,6 +640,33 @@ class RunConfig:
         for level, (cfg, tp) in enumerate(zip(self.level_models(), self.level_tp_sizes())):
             self._check_level_parallel(level, cfg, tp)
         self._check_sequence_parallel()
+        self._check_width_symmetry()
+
+    def _check_width_symmetry(self) -> None:
+        """Warn when a level is grown in width with nothing to break the symmetry of the copies.
+
+        De-coalescing in width copies each coarse unit into a pair with the same incoming and
+        halved outgoing weights, so the two receive the same gradient and AdamW update. A level
+        first reached by growing (an F-cycle's finer levels, every level of ``grow``) has no model
+        from before coalescing to interpolate with; without dropout or ``perturbation_std`` noise
+        its copies stay equal for the rest of the run, and it trains at the coarse width while
+        paying for the fine one. Legal (a benchmark may want exactly that), hence a warning."""
+        ml = self.multilevel
+        if not (ml.enabled and ml.strategy == "coalesce" and ml.coalesce_width) or ml.perturbation_std > 0:
+            return
+        walk = ml.walk()
+        grown = [level for level in range(ml.num_levels - 1) if walk.index(level) > walk.index(level + 1)]
+        if not grown or self.model.hidden_dropout > 0 or self.model.attention_dropout > 0:
+            return
+        warnings.warn(
+            f"multilevel: cycle {ml.cycle!r} grows level(s) {grown} in width (multilevel.coalesce_width = true) "
+            f"from a coarser level, and nothing breaks the symmetry of the copied units "
+            f"(multilevel.perturbation_std = 0, model.hidden_dropout = model.attention_dropout = 0): "
+            f"they stay equal and those levels train at half their width. Set multilevel.perturbation_std "
+            f"(e.g. 0.01) or a dropout, or coalesce depth only (multilevel.coalesce_width = false)",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def _check_ode(self) -> None:
         ode = self.multilevel.ode

@@ -182,3 +182,47 @@ def test_mapped_optimizer_state_of_each_optimizer():
         levels({"type": "AdamW"}, coarse={"type": "Lamb"})
     with pytest.raises(ValueError, match=r"level 0: \['exp_avg', 'exp_avg_sq'\], level 1: \['momentum_buffer'\]"):
         levels({"type": "AdamW"}, coarse={"type": "SGD", "params": {"momentum": 0.9}})
+
+
+def _cycle(cycle: str, **multilevel) -> dict:
+    levels = [{"steps_before": 0, "steps_after": 4}, {"steps_before": 4}]
+    if cycle == "v":
+        levels[0]["steps_before"] = 2
+    return {"multilevel": {"enabled": True, "cycle": cycle, "alpha": 1.0, "levels": levels, **multilevel}}
+
+
+@pytest.mark.parametrize(
+    "data, warns",
+    [
+        (_cycle("grow"), True),                                       # the fine model only ever grown
+        (_cycle("f"), True),                                          # an F-cycle grows it from the coarse start
+        (_cycle("grow", perturbation_std=0.01), False),                # noise breaks the symmetry
+        (_cycle("grow") | {"model": {"hidden_dropout": 0.1}}, False),  # so does dropout
+        (_cycle("grow") | {"model": {"attention_dropout": 0.1}}, False),
+        (_cycle("grow", coalesce_width=False), False),                 # depth copies are not a width pair
+        (_cycle("v"), False),                                          # the fine model starts from its own init
+    ],
+    ids=["grow", "f", "perturbation", "hidden-dropout", "attention-dropout", "depth-only", "v"],
+)
+def test_width_growth_without_symmetry_breaking_warns(data, warns):
+    """A level reached first by growing in width, with no noise and no dropout, keeps equal copies
+    for the whole run; the config says so when it is read (a warning: the run is legal)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(data)
+    messages = [str(w.message) for w in caught if "symmetry" in str(w.message)]
+    assert len(messages) == int(warns), messages
+    if warns:
+        assert "multilevel.perturbation_std" in messages[0] and "level(s) [0]" in messages[0]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_do_not_warn_of_width_symmetry(path):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(path)
+    assert not [w for w in caught if "symmetry" in str(w.message)]
