@@ -39,7 +39,7 @@ from megatron_multilevel.parallel.transition import (
     FineSnapshot,
     Layout,
     Staged,
-    _adam_step,
+    _optimizer_step,
     _build_target,
     _copy_stream,
     _snapshot_group,
@@ -85,7 +85,7 @@ def restrict(fine_module: torch.nn.Module, selection: LayerSelection, *, fine_la
     _check_layouts(selection, fine_layout, coarse_layout)
     local = shard_local(fine_layout, coarse_layout)
     fine_groups = Groups.current()  # captured before the coarse model's layout replaces it
-    before = FineSnapshot(_snapshot("params", local, keep, keep_dir), step=_adam_step(optimizer) if keys else 0)
+    before = FineSnapshot(_snapshot("params", local, keep, keep_dir), step=_optimizer_step(optimizer) if keys else 0)
     coarse_model = _build_target(selection.coarse, coarse_layout, ds_config)
     writer = ModelWriter(coarse_model, selection.coarse, Groups.current(), local=local)
     _restrict_stream(_reader(fine_module, selection.fine, fine_groups, local), writer, selection, tee=before.params)
@@ -125,7 +125,7 @@ def prolong(coarse_module: torch.nn.Module, before: FineSnapshot, selection: Lay
         return Staged(fine_model, selection.fine, local)
     if state == "keep":
         return Staged(fine_model, selection.fine, local, moments=dict(before.moments), step=before.step)
-    staged = Staged(fine_model, selection.fine, local, step=_adam_step(optimizer))
+    staged = Staged(fine_model, selection.fine, local, step=_optimizer_step(optimizer))
     for key, kept in before.moments.items():
         staged.moments[key] = Snapshot(_snapshot_group(local))
         _map_back_stream(_reader(coarse_module, selection.coarse, coarse_groups, local, optimizer, key), kept,
@@ -140,7 +140,7 @@ def carry(module: torch.nn.Module, cfg: ModelConfig, *, layout: Layout, ds_confi
     groups = Groups.current()
     model = _build_target(cfg, layout, ds_config)
     _copy_stream(_reader(module, cfg, groups, True), ModelWriter(model, cfg, groups, local=True), cfg.num_layers)
-    staged = Staged(model, cfg, True, step=_adam_step(optimizer) if keys else 0)
+    staged = Staged(model, cfg, True, step=_optimizer_step(optimizer) if keys else 0)
     for key in keys:
         staged.moments[key] = Snapshot(_snapshot_group(True))
         _copy_stream(_reader(module, cfg, groups, True, optimizer, key), staged.moments[key], cfg.num_layers)
@@ -155,7 +155,7 @@ def snapshot_fine(module: torch.nn.Module, selection: LayerSelection, *, fine_la
     _check_layouts(selection, fine_layout, coarse_layout)
     local = shard_local(fine_layout, coarse_layout)
     cfg, groups = selection.fine, Groups.current()
-    before = FineSnapshot(_snapshot("params", local, keep, keep_dir), step=_adam_step(optimizer) if keys else 0)
+    before = FineSnapshot(_snapshot("params", local, keep, keep_dir), step=_optimizer_step(optimizer) if keys else 0)
     _copy_stream(_reader(module, cfg, groups, local), before.params, cfg.num_layers)
     for key in keys:
         before.moments[key] = _snapshot(key, local, keep, keep_dir)

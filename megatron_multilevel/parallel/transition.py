@@ -129,7 +129,9 @@ def _build_target(cfg: ModelConfig, layout: Layout, ds_config: Optional[dict]) -
         return build_model(cfg, perform_initialization=False)
 
 
-def _adam_step(optimizer) -> int:
+def _optimizer_step(optimizer) -> int:
+    """The optimizer's step count (Adam's and AdamW's ``step`` state; 0 for SGD, which keeps none,
+    and without an optimizer): what mapped moments are bias-corrected with after a transition."""
     from megatron_multilevel.parallel.streams import _inner_torch_optimizer
 
     if optimizer is None:
@@ -180,7 +182,7 @@ def coarsen(
         {k: ModelReader(fine_module, level_map.fine, fine_groups, local=fast, optimizer=optimizer, state_key=k)
          for k in moments}
     )
-    before = FineSnapshot(snapshot("params"), step=_adam_step(optimizer) if moments else 0)
+    before = FineSnapshot(snapshot("params"), step=_optimizer_step(optimizer) if moments else 0)
     coarse_model = _build_target(level_map.coarse, coarse_layout, ds_config)
     writer = ModelWriter(coarse_model, level_map.coarse, Groups.current(), local=fast)
     _coarsen_stream(readers[None], writer, op_map, tee=before.params)
@@ -210,7 +212,7 @@ def snapshot_level(
     groups = Groups.current()
     group = _snapshot_group(fast)
     keys = (None,) + tuple(moments)
-    before = FineSnapshot(None, step=_adam_step(optimizer) if moments else 0)
+    before = FineSnapshot(None, step=_optimizer_step(optimizer) if moments else 0)
     for key in keys:
         kind = key or "params"
         snapshot = Snapshot(group, storage=keep, directory=None if keep_dir is None else f"{keep_dir}/{kind}")
@@ -263,7 +265,7 @@ def prolong(
         k: ModelReader(coarse_module, level_map.coarse, coarse_groups, local=fast, optimizer=optimizer, state_key=k)
         for k in moments
     }
-    step = _adam_step(optimizer) if moments else 0
+    step = _optimizer_step(optimizer) if moments else 0
     fine_model = _build_target(level_map.fine, fine_layout, ds_config)
     writer = ModelWriter(fine_model, level_map.fine, Groups.current(), local=fast)
     _prolong_stream(reader, before and before.params, writer, op_map, alpha, perturbation_std=perturbation_std,
