@@ -381,7 +381,7 @@ def study_rows(points: dict[str, dict], parameters: dict[str, int]) -> list[dict
             methods[method] = {"family": m["family"], "final_valid_loss": m["final_valid_loss"]["median"],
                                "equal_quality": {**m["eq_saving_flops"], "at_least": at_least},
                                "crossing": m["crossing_saving_flops"],
-                               "equal_quality_seconds": m["eq_saving_seconds_normalized"]}
+                               "equal_quality_seconds": {**m["eq_saving_seconds_normalized"], "at_least": at_least}}
         rows.append({"point": name, "shape": shape, "steps": steps, "tokens": tokens,
                      "parameters": parameters[shape], "tokens_per_parameter": tokens / parameters[shape],
                      "seeds": len(results["seeds"]), "scratch_final_loss": scratch["final_valid_loss"]["median"],

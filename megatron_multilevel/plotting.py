@@ -115,7 +115,8 @@ def plot_budgets(budgets: dict[str, dict[int, list[tuple[float, float]]]], out_d
 def plot_scale(rows: list[dict], out_dir: str) -> str:
     """FLOPs saved at equal quality (solid) and by the curve crossing (dashed) against the token
     budget, one panel per model shape and one colour per method; bars: lowest to highest seed;
-    a point where no seed reached scratch's loss is drawn at 0 with a cross (``rows``:
+    a point where no seed reached scratch's loss is drawn at 0 with a cross; the methods sit a
+    little to either side of their budget so that equal savings stay visible (``rows``:
     :func:`megatron_multilevel.benchmarking.study_rows`)."""
     plt = _pyplot()
     os.makedirs(out_dir, exist_ok=True)
@@ -129,7 +130,8 @@ def plot_scale(rows: list[dict], out_dir: str) -> str:
                 pts = [(r["tokens"], r["methods"][method][key]) for r in mine if method in r["methods"]]
                 if not pts:
                     continue
-                xs = [t for t, _ in pts]
+                # each method a little to the side of the budget (log axis), so equal savings do not hide each other
+                xs = [t * 2 ** (0.04 * (i - (len(methods) - 1) / 2)) for t, _ in pts]
                 ys = [100 * (s["median"] or 0.0) for _, s in pts]
                 lo = [y - 100 * (s["min"] or 0.0) for y, (_, s) in zip(ys, pts)]
                 hi = [100 * (s["max"] or 0.0) - y for y, (_, s) in zip(ys, pts)]
@@ -140,6 +142,8 @@ def plot_scale(rows: list[dict], out_dir: str) -> str:
                     if not s["reached"]:
                         ax.plot([x], [0.0], "x", color=f"C{i % 10}", ms=8)
         ax.set_xscale("log", base=2)
+        budgets = [r["tokens"] for r in mine]
+        ax.set_xlim(min(budgets) / 2 ** 0.5, max(budgets) * 2 ** 0.5)  # half an octave either side
         ax.axhline(0.0, color="black", lw=0.8)
         ax.set_title(f"GPT {shape}, {mine[0]['parameters'] / 1e6:.1f}M parameters")
         ax.set_xlabel("tokens of training from scratch")
