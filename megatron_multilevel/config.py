@@ -654,8 +654,9 @@ class RunConfig:
         ml = self.multilevel
         if not (ml.enabled and ml.strategy == "coalesce" and ml.coalesce_width) or ml.perturbation_std > 0:
             return
-        walk = ml.walk()
-        grown = [level for level in range(ml.num_levels - 1) if walk.index(level) > walk.index(level + 1)]
+        from megatron_multilevel.training.schedule import _cycle_phases  # it imports this module
+
+        grown = sorted({phase.level for phase in _cycle_phases(ml) if phase.arrival == "grow"})
         if not grown or self.model.hidden_dropout > 0 or self.model.attention_dropout > 0:
             return
         warnings.warn(
