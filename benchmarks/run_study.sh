@@ -108,8 +108,10 @@ commit="$(cat "$root/benchmarks/STUDY_COMMIT")"
 work="$root/.cache/study-${commit:0:12}"
 if [[ ! -d "$work" ]]; then
   git -C "$root" worktree add --detach "$work" "$commit" >/dev/null
-  mkdir -p "$work/.cache" && ln -sfn "$root/.cache/megatron_multilevel" "$work/.cache/megatron_multilevel"
 fi
+# the worktree shares main's data cache (corpus, tokenizer): made once, on a fresh machine too
+mkdir -p "$root/.cache/megatron_multilevel" "$work/.cache"
+ln -sfn "$root/.cache/megatron_multilevel" "$work/.cache/megatron_multilevel"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extensions}"
 for point in "${points[@]}"; do
   echo "== $point (code of $commit)"
