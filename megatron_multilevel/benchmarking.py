@@ -176,6 +176,15 @@ def _flops_ratios(base: dict, multilevel: dict) -> list[float]:
     return [flops_per_token(m, seq) / fine for m in cfg.level_models()]
 
 
+# The recipe (README, "The recipe"), as keyword arguments of :func:`variant_configs`; its method
+# is ``fcycle2``. ``configs/gpt_tiny_cpu.json`` is this at 200 steps, the GPU configs at 100,000
+# with a 50% coarse share (tests/test_savings.py holds them to it), and
+# ``tools/benchmark_savings.py --recipe`` runs it.
+RECIPE = dict(shape="depth", depth_pairing="halves", depth_scaling="identity", coarse_share=0.8, ea=0.1,
+              fcycle_revisit=0.5, optimizer_state="map", after_warmup=0, lr_schedule="continue",
+              interpolation="correction", alpha=1.0)
+
+
 def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor: float = 3.0,
                     ea: float = 0.05, coarse_share: float = 0.5, alpha: float = 0.5, warmup: int = 20,
                     after_warmup: int = 20, budget: str = "flops", depth_scaling: str = "none",

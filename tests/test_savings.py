@@ -241,6 +241,41 @@ def _tool(name: str = "benchmark_savings"):
     return module
 
 
+@pytest.mark.parametrize("name, steps, fine_lr, warmup, coarse_share", [
+    ("gpt_tiny_cpu.json", 200, 1e-3, 8, 0.8),  # the CPU default: the recipe as measured
+    ("gpt_base.json", 100_000, 6e-4, 2000, 0.5),  # the GPU configs: a 50% share until measured there
+])
+def test_the_shipped_configs_are_the_benchmarks_recipe(name, steps, fine_lr, warmup, coarse_share):
+    """What the benchmark measures as the recipe is what the configs ship: the same walk, steps,
+    schedules, operators and optimizer-state mapping, at the configs' own budgets."""
+    from megatron_multilevel.benchmarking import RECIPE
+
+    data = json.loads((ROOT / "configs" / name).read_text())
+    base = {k: v for k, v in data.items() if k != "multilevel"}
+    made = variant_configs(base, steps=steps, fine_lr=fine_lr, warmup=warmup, methods=["fcycle2"],
+                           **{**RECIPE, "coarse_share": coarse_share})["fcycle2"]
+    assert load_config(made).multilevel == load_config(data).multilevel
+
+
+def test_recipe_flag_sets_the_recipe_and_yields_to_flags_given():
+    from megatron_multilevel.benchmarking import RECIPE
+
+    tool = _tool()
+    args = tool.parse_args(tool.build_parser(), ["--size", "tiny", "--steps", "100", "--recipe"])
+    base = tool.base_config(args)
+    made = tool.variants(args, base)
+    assert sorted(made) == ["fcycle2", "scratch"]
+    expected = variant_configs(base, steps=100, fine_lr=2e-3, warmup=4, methods=["fcycle2"], **RECIPE)["fcycle2"]
+    assert made["fcycle2"] == expected
+    args = tool.parse_args(tool.build_parser(), ["--size", "tiny", "--steps", "100", "--recipe", "--alpha", "0.5",
+                                                 "--methods", "fcycle2", "stacking"])
+    made = tool.variants(args, base)
+    assert made["fcycle2"]["multilevel"]["alpha"] == 0.5 and "stacking" in made
+    assert made["fcycle2"]["multilevel"]["depth_pairing"] == "halves"  # the rest of the recipe kept
+    plain = tool.variants(tool.parse_args(tool.build_parser(), ["--size", "tiny", "--steps", "100"]), base)
+    assert plain["vcycle2"]["multilevel"]["depth_pairing"] == "adjacent"  # without --recipe: the paper's
+
+
 def test_normalised_wall_clock_by_hand():
     tool = _tool()
     times = {"8x256": {"seconds_per_step": 1.0}, "4x128": {"seconds_per_step": 0.25}}

@@ -3,6 +3,7 @@
     python tools/benchmark_savings.py                                   # CPU default, one seed
     python tools/benchmark_savings.py --methods vcycle2 fcycle2 stacking --fractions 0.6 0.8 1.0 \
         --repeats 2 --results benchmarks/cpu-8x256-480                  # equal quality, kept results
+    python tools/benchmark_savings.py --recipe --methods fcycle2 stacking --fractions 0.6 0.8 1.0   # the recipe
     python tools/benchmark_savings.py --alpha 0.25 0.5 1.0 --ea 0.05 0.2    # the paper's ablations
     python tools/benchmark_savings.py --extra-shapes depth width            # what to coalesce
     python tools/benchmark_savings.py --size gpt-base --procs 8 --steps 20000 --out runs/savings_gpt_base
@@ -132,6 +133,14 @@ def variants(args, base: dict) -> dict[str, dict]:
                 out[f"{name}-{shape}"] = methods(shape=shape)[name]
     # a tag names the settings, so that variants of one method can share a results directory
     return {name if name.startswith("scratch") else name + args.tag: cfg for name, cfg in out.items()}
+
+
+def recipe_defaults() -> dict:
+    """The recipe (``benchmarking.RECIPE``) as defaults of this script's flags."""
+    from megatron_multilevel.benchmarking import RECIPE
+
+    listed = ("ea", "coarse_share", "alpha")  # flags that take a sweep: the first value is the method's
+    return {"methods": ["fcycle2"], **{k: [v] if k in listed else v for k, v in RECIPE.items()}}
 
 
 def ode_overrides(pairs: list[str]) -> dict:
@@ -371,7 +380,7 @@ def plots(out_dir: str, results: list[dict], target: float) -> list[str]:
     return plot_validation(curves, out_dir, target=target) + [plot_budgets(budgets, out_dir, target=target)]
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="cpu")
     p.add_argument("--steps", type=int, default=None, help="global batches of training from scratch (the budget)")
@@ -431,12 +440,28 @@ def main(argv=None) -> int:
                         "every run already there made by the same code); default: --out")
     p.add_argument("--report-only", "--report_only", action="store_true",
                    help="run nothing: remake the report from the kept results of the current code version")
+    p.add_argument("--recipe", action="store_true",
+                   help="the recipe's settings (README, 'The recipe') as defaults, and "
+                        "fcycle2 as the method; flags given beside it override them")
     p.add_argument("--tag", default="", help="appended to the name of every method but scratch (e.g. -ode-ea0.2): "
                                              "variants of one method can then share --results")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "savings"), help="run directories and the report")
+    return p
+
+
+def parse_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
+    if args.recipe:
+        p.set_defaults(**recipe_defaults())
+        args = p.parse_args(argv)
     if bool(args.data_prefix) != bool(args.tokenizer_model):
         p.error("--data-prefix and --tokenizer-model go together")
+    return args
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = parse_args(p, argv)
     from megatron_multilevel.benchmarking import compress, source_version
     from megatron_multilevel.config import load_config
 
