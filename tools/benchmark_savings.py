@@ -135,12 +135,13 @@ def variants(args, base: dict) -> dict[str, dict]:
     return {name if name.startswith("scratch") else name + args.tag: cfg for name, cfg in out.items()}
 
 
-def recipe_defaults() -> dict:
-    """The recipe (``benchmarking.RECIPE``) as defaults of this script's flags."""
+def recipe_defaults(p: argparse.ArgumentParser) -> dict:
+    """The recipe (``benchmarking.RECIPE``) as defaults of ``p``'s flags (a flag that takes a
+    sweep, a list, gets the recipe's value as its only, the method's, value)."""
     from megatron_multilevel.benchmarking import RECIPE
 
-    listed = ("ea", "coarse_share", "alpha")  # flags that take a sweep: the first value is the method's
-    return {"methods": ["fcycle2"], **{k: [v] if k in listed else v for k, v in RECIPE.items()}}
+    return {"methods": ["fcycle2"],
+            **{k: [v] if isinstance(p.get_default(k), list) else v for k, v in RECIPE.items()}}
 
 
 def ode_overrides(pairs: list[str]) -> dict:
@@ -452,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.recipe:
-        p.set_defaults(**recipe_defaults())
+        p.set_defaults(**recipe_defaults(p))
         args = p.parse_args(argv)
     if bool(args.data_prefix) != bool(args.tokenizer_model):
         p.error("--data-prefix and --tokenizer-model go together")
