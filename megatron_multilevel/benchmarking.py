@@ -387,10 +387,15 @@ def study_rows(points: dict[str, dict], parameters: dict[str, int]) -> list[dict
             # seeds whose smallest budget already reached scratch's loss: the fraction needed is at
             # most that budget, the saving at least what it says
             at_least = sum(s.get("equal_quality", {}).get("bound") == "at_most" for s in m["seeds"])
+            # seeds run at the full budget only (no fractions to read a saving from): whether that
+            # run ends at or under scratch's loss (a saving of 0 or more) is all they say
+            one_budget = [s for s in m["seeds"] if s.get("equal_quality", {}).get("bound") == "one_budget"]
+            full_reached = sum(_full_budget_loss(s) <= s["target_loss"] for s in one_budget)
+            bounds = {"at_least": at_least, "one_budget": len(one_budget), "full_budget_reached": full_reached}
             methods[method] = {"family": m["family"], "final_valid_loss": m["final_valid_loss"]["median"],
-                               "equal_quality": {**m["eq_saving_flops"], "at_least": at_least},
+                               "equal_quality": {**m["eq_saving_flops"], **bounds},
                                "crossing": m["crossing_saving_flops"],
-                               "equal_quality_seconds": {**m["eq_saving_seconds_normalized"], "at_least": at_least}}
+                               "equal_quality_seconds": {**m["eq_saving_seconds_normalized"], **bounds}}
         rows.append({"point": name, "shape": shape, "steps": steps, "tokens": tokens,
                      "parameters": parameters[shape], "tokens_per_parameter": tokens / parameters[shape],
                      "seeds": len(results["seeds"]), "scratch_final_loss": scratch["final_valid_loss"]["median"],
@@ -399,9 +404,21 @@ def study_rows(points: dict[str, dict], parameters: dict[str, int]) -> list[dict
     return sorted(rows, key=lambda r: (r["parameters"], r["tokens"]))
 
 
+def _full_budget_loss(seed: dict) -> float:
+    """The final validation loss of a seed's largest budget run (``final_valid_loss`` is keyed by
+    the budget fraction, as text)."""
+    losses = seed["final_valid_loss"]
+    return losses[max(losses, key=float)]
+
+
 def format_saving(s: dict) -> str:
     """``20.1% (18.0 to 22.3), 2/2`` from a :func:`summarize` block: median (lowest to highest),
-    how many seeds reached scratch's loss of how many, and how many of those are lower bounds."""
+    how many seeds reached scratch's loss of how many, and how many of those are lower bounds. A
+    method run at the full budget only says whether that run reached scratch's loss."""
+    if not s["reached"] and s.get("one_budget") == s["n"]:
+        if s["full_budget_reached"]:
+            return f"0% or more (full budget only: scratch's loss reached in {s['full_budget_reached']}/{s['n']})"
+        return f"not reached at the full budget, 0/{s['n']}"
     if not s["reached"]:
         return f"not reached, 0/{s['n']}"
     bound = f" (at least, in {s['at_least']} of them: the smallest budget reached it)" if s.get("at_least") else ""

@@ -115,9 +115,10 @@ def plot_budgets(budgets: dict[str, dict[int, list[tuple[float, float]]]], out_d
 def plot_scale(rows: list[dict], out_dir: str) -> str:
     """FLOPs saved at equal quality (solid) and by the curve crossing (dashed) against the token
     budget, one panel per model shape and one colour per method; bars: lowest to highest seed;
-    a point where no seed reached scratch's loss is drawn at 0 with a cross; the methods sit a
-    little to either side of their budget so that equal savings stay visible (``rows``:
-    :func:`megatron_multilevel.benchmarking.study_rows`)."""
+    a point where no seed reached scratch's loss is drawn at 0 with a cross, one where the method
+    ran at the full budget only and reached it (a saving of 0 or more) with a triangle up; the
+    methods sit a little to either side of their budget so that equal savings stay visible; one
+    legend for all panels, under them (``rows``: :func:`megatron_multilevel.benchmarking.study_rows`)."""
     plt = _pyplot()
     os.makedirs(out_dir, exist_ok=True)
     shapes = sorted({r["shape"] for r in rows}, key=lambda s: next(r["parameters"] for r in rows if r["shape"] == s))
@@ -140,7 +141,8 @@ def plot_scale(rows: list[dict], out_dir: str) -> str:
                             label=f"{method} ({'equal quality' if key == 'equal_quality' else 'crossing'})")
                 for x, (_, s) in zip(xs, pts):
                     if not s["reached"]:
-                        ax.plot([x], [0.0], "x", color=f"C{i % 10}", ms=8)
+                        lower_bound = s.get("full_budget_reached")  # 0% or more
+                        ax.plot([x], [0.0], "^" if lower_bound else "x", color=f"C{i % 10}", ms=8)
         ax.set_xscale("log", base=2)
         budgets = [r["tokens"] for r in mine]
         ax.set_xlim(min(budgets) / 2 ** 0.5, max(budgets) * 2 ** 0.5)  # half an octave either side
@@ -149,8 +151,17 @@ def plot_scale(rows: list[dict], out_dir: str) -> str:
         ax.set_xlabel("tokens of training from scratch")
         ax.set_ylabel("FLOPs saved against training from scratch (%)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    legend = {}  # label -> handle, over every panel (a method may be missing from one)
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    legend["no seed reached scratch's loss"] = plt.Line2D([], [], ls="", marker="x", color="gray", ms=8)
+    legend["full budget only, scratch's loss reached (0% or more)"] = plt.Line2D([], [], ls="", marker="^",
+                                                                                 color="gray", ms=8)
+    ncol = 3
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    rows_of_legend = -(-len(legend) // ncol)
+    fig.tight_layout(rect=(0, 0.045 * rows_of_legend, 1, 1))
     path = os.path.join(out_dir, "saving_vs_budget.png")
     fig.savefig(path)
     plt.close(fig)

@@ -430,6 +430,19 @@ def _study_results(commit: str, seeds: dict) -> dict:
                                  "vocab_size": 512, "max_sequence_length": 64}}}
 
 
+def _add_one_budget_method(results: dict, seeds: dict) -> None:
+    """Adds ``ode2`` to a made-up results.json, run at the full budget only (no equal-quality
+    figure): ``seeds[seed] = (scratch's loss, its final loss)``, in the order of the point's seeds."""
+    runs = [{"seed": seed, "target_loss": target, "final_valid_loss": {"1": final},
+             "equal_quality": {"fraction": None, "saving": None, "bound": "one_budget", "gap": None}}
+            for seed, (target, final) in seeds.items()]
+    nothing = summarize([None] * len(seeds))
+    results["methods"]["ode2"] = {"family": "ode", "seeds": runs,
+                                  "final_valid_loss": summarize([final for _, final in seeds.values()]),
+                                  "eq_saving_flops": nothing, "eq_saving_seconds_normalized": nothing,
+                                  "crossing_saving_flops": nothing}
+
+
 def test_study_rows_and_their_table(tmp_path):
     """The scale study's rows by hand: regime, medians and spreads, lower bounds; points made by
     other code are left out."""
@@ -446,6 +459,9 @@ def test_study_rows_and_their_table(tmp_path):
             "cpu-4x128-240": _study_results(pinned, {1: (5.0, (None, None, "not_reached"))}),
             "cpu-4x128-3840": _study_results(other, {1: (3.0, (0.5, 0.5, "interpolated"))}),
             "explore-4x128-240": _study_results(pinned, {1: (5.0, (0.9, 0.9, "interpolated"))})}
+    # the ODE strategy, run at the full budget only: 0.01 under scratch's loss in seeds 1 and 3
+    _add_one_budget_method(made["cpu-4x128-960"], {1: (4.0, 3.99), 2: (4.2, 4.21), 3: (4.1, 4.09)})
+    _add_one_budget_method(made["cpu-4x128-240"], {1: (5.0, 5.3)})
     for name, results in made.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps(results))
@@ -469,6 +485,11 @@ def test_study_rows_and_their_table(tmp_path):
             "20.0% (5.0 to 35.0), 2/3 |") in text
     assert "| cpu-4x128-240 | 1.00M | 0.25M | 0.25 | 1 | 5.0000 (5.0000 to 5.0000) | fcycle2 | 4.9000 | " \
            "not reached, 0/1 | not reached, 0/1 | not reached, 0/1 |" in text
+    # a method run at the full budget only: at or under scratch's loss there is a saving of 0 or more
+    ode = "0% or more (full budget only: scratch's loss reached in 2/3)"
+    assert f"| ode2 | 4.0900 | {ode} | {ode} | not reached, 0/3 |" in text
+    assert ("| ode2 | 5.3000 | not reached at the full budget, 0/1 | not reached at the full budget, 0/1 | "
+            "not reached, 0/1 |") in text
 
     from megatron_multilevel.plotting import plot_scale
 
