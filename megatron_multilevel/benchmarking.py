@@ -416,8 +416,11 @@ def format_saving(s: dict) -> str:
     how many seeds reached scratch's loss of how many, and how many of those are lower bounds. A
     method run at the full budget only says whether that run reached scratch's loss."""
     if not s["reached"] and s.get("one_budget") == s["n"]:
+        reached = f"scratch's loss reached in {s['full_budget_reached']}/{s['n']}"
+        if s["full_budget_reached"] == s["n"]:
+            return f"0% or more (full budget only: {reached})"
         if s["full_budget_reached"]:
-            return f"0% or more (full budget only: scratch's loss reached in {s['full_budget_reached']}/{s['n']})"
+            return f"full budget only: {reached}"
         return f"not reached at the full budget, 0/{s['n']}"
     if not s["reached"]:
         return f"not reached, 0/{s['n']}"

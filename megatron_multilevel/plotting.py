@@ -115,8 +115,9 @@ def plot_budgets(budgets: dict[str, dict[int, list[tuple[float, float]]]], out_d
 def plot_scale(rows: list[dict], out_dir: str) -> str:
     """FLOPs saved at equal quality (solid) and by the curve crossing (dashed) against the token
     budget, one panel per model shape and one colour per method; bars: lowest to highest seed;
-    a point where no seed reached scratch's loss is drawn at 0 with a cross, one where the method
-    ran at the full budget only and reached it (a saving of 0 or more) with a triangle up; the
+    a point where some seed did not reach scratch's loss is drawn at 0 with a cross, one where the
+    method ran at the full budget only and reached it in every seed (a saving of 0 or more) with a
+    triangle up; the
     methods sit a little to either side of their budget so that equal savings stay visible; one
     legend for all panels, under them (``rows``: :func:`megatron_multilevel.benchmarking.study_rows`)."""
     plt = _pyplot()
@@ -140,8 +141,8 @@ def plot_scale(rows: list[dict], out_dir: str) -> str:
                             alpha=1.0 if key == "equal_quality" else 0.5,
                             label=f"{method} ({'equal quality' if key == 'equal_quality' else 'crossing'})")
                 for x, (_, s) in zip(xs, pts):
-                    if not s["reached"]:
-                        lower_bound = s.get("full_budget_reached")  # 0% or more
+                    if s["median"] is None:  # not reached in some seed
+                        lower_bound = s.get("full_budget_reached") == s["n"]  # 0% or more
                         ax.plot([x], [0.0], "^" if lower_bound else "x", color=f"C{i % 10}", ms=8)
         ax.set_xscale("log", base=2)
         budgets = [r["tokens"] for r in mine]
@@ -155,8 +156,8 @@ def plot_scale(rows: list[dict], out_dir: str) -> str:
     for ax in axes[0]:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, handle)
-    legend["no seed reached scratch's loss"] = plt.Line2D([], [], ls="", marker="x", color="gray", ms=8)
-    legend["full budget only, scratch's loss reached (0% or more)"] = plt.Line2D([], [], ls="", marker="^",
+    legend["scratch's loss not reached in every seed"] = plt.Line2D([], [], ls="", marker="x", color="gray", ms=8)
+    legend["full budget only, scratch's loss reached in every seed (0% or more)"] = plt.Line2D([], [], ls="", marker="^",
                                                                                  color="gray", ms=8)
     ncol = 3
     fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=ncol, fontsize=8, frameon=False)

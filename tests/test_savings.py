@@ -446,7 +446,7 @@ def _add_one_budget_method(results: dict, seeds: dict) -> None:
 def test_study_rows_and_their_table(tmp_path):
     """The scale study's rows by hand: regime, medians and spreads, lower bounds; points made by
     other code are left out."""
-    from megatron_multilevel.benchmarking import study_rows
+    from megatron_multilevel.benchmarking import format_saving, study_rows
 
     report = _tool("study_report")
     read_points, table = report.read_points, report.table
@@ -486,10 +486,12 @@ def test_study_rows_and_their_table(tmp_path):
     assert "| cpu-4x128-240 | 1.00M | 0.25M | 0.25 | 1 | 5.0000 (5.0000 to 5.0000) | fcycle2 | 4.9000 | " \
            "not reached, 0/1 | not reached, 0/1 | not reached, 0/1 |" in text
     # a method run at the full budget only: at or under scratch's loss there is a saving of 0 or more
-    ode = "0% or more (full budget only: scratch's loss reached in 2/3)"
+    ode = "full budget only: scratch's loss reached in 2/3"
     assert f"| ode2 | 4.0900 | {ode} | {ode} | not reached, 0/3 |" in text
     assert ("| ode2 | 5.3000 | not reached at the full budget, 0/1 | not reached at the full budget, 0/1 | "
             "not reached, 0/1 |") in text
+    everywhere = {**rows[1]["methods"]["ode2"]["equal_quality"], "full_budget_reached": 3}
+    assert format_saving(everywhere) == "0% or more (full budget only: scratch's loss reached in 3/3)"
 
     from megatron_multilevel.plotting import plot_scale
 
