@@ -117,9 +117,9 @@ def plot_scale(rows: list[dict], out_dir: str) -> str:
     budget, one panel per model shape and one colour per method; bars: lowest to highest seed;
     a point where some seed did not reach scratch's loss is drawn at 0 with a cross, one where the
     method ran at the full budget only and reached it in every seed (a saving of 0 or more) with a
-    triangle up; the
-    methods sit a little to either side of their budget so that equal savings stay visible; one
-    legend for all panels, under them (``rows``: :func:`megatron_multilevel.benchmarking.study_rows`)."""
+    triangle up; the methods sit a little to either side of their budget so that equal savings
+    stay visible; one legend for all panels, under them (``rows``:
+    :func:`megatron_multilevel.benchmarking.study_rows`)."""
     plt = _pyplot()
     os.makedirs(out_dir, exist_ok=True)
     shapes = sorted({r["shape"] for r in rows}, key=lambda s: next(r["parameters"] for r in rows if r["shape"] == s))
@@ -156,9 +156,11 @@ def plot_scale(rows: list[dict], out_dir: str) -> str:
     for ax in axes[0]:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, handle)
-    legend["scratch's loss not reached in every seed"] = plt.Line2D([], [], ls="", marker="x", color="gray", ms=8)
-    legend["full budget only, scratch's loss reached in every seed (0% or more)"] = plt.Line2D([], [], ls="", marker="^",
-                                                                                 color="gray", ms=8)
+    def marker(symbol: str):
+        return plt.Line2D([], [], ls="", marker=symbol, color="gray", ms=8)
+
+    legend["scratch's loss not reached in every seed"] = marker("x")
+    legend["full budget only, scratch's loss reached in every seed (0% or more)"] = marker("^")
     ncol = 3
     fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     rows_of_legend = -(-len(legend) // ncol)
