@@ -266,7 +266,10 @@ def test_with_baseline_reports_the_saving_resumes_and_reuses(tmp_path):
     curve, alone_curve = ([(r["type"], r["global_step"], r["loss"]) for r in read_metrics(d)
                            if r["type"] in ("train", "valid")] for d in (base_dir, alone))
     assert [c[:2] for c in curve] == [c[:2] for c in alone_curve]
-    assert [c[2] for c in curve] == pytest.approx([c[2] for c in alone_curve], abs=1e-6)
+    # two launches of the same run can differ in the float32 losses' last bits (seen once in CI:
+    # 1.2e-6 relative, already at the first step, before any resume); a resume that lost any state
+    # (data position, RNG, optimizer, schedule) moves them by orders of magnitude more
+    assert [c[2] for c in curve] == pytest.approx([c[2] for c in alone_curve], rel=1e-5)
 
     # another config makes another baseline: the old one is replaced
     out = ok(launch(config, "--with-baseline", "training.eval_batches=1"))
