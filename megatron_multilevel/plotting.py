@@ -156,6 +156,7 @@ def plot_scale(rows: list[dict], out_dir: str) -> str:
     for ax in axes[0]:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, handle)
+
     def marker(symbol: str):
         return plt.Line2D([], [], ls="", marker=symbol, color="gray", ms=8)
 
