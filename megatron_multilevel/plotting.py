@@ -142,8 +142,7 @@ def plot_scale(rows: list[dict], out_dir: str) -> str:
                             label=f"{method} ({'equal quality' if key == 'equal_quality' else 'crossing'})")
                 for x, (_, s) in zip(xs, pts):
                     if s["median"] is None:  # not reached in some seed
-                        lower_bound = s.get("full_budget_reached") == s["n"]  # 0% or more
-                        ax.plot([x], [0.0], "^" if lower_bound else "x", color=f"C{i % 10}", ms=8)
+                        ax.plot([x], [0.0], "^" if s.get("zero_or_more") else "x", color=f"C{i % 10}", ms=8)
         ax.set_xscale("log", base=2)
         budgets = [r["tokens"] for r in mine]
         ax.set_xlim(min(budgets) / 2 ** 0.5, max(budgets) * 2 ** 0.5)  # half an octave either side
