@@ -407,6 +407,31 @@ def study_rows(points: dict[str, dict], parameters: dict[str, int]) -> list[dict
     return sorted(rows, key=lambda r: (r["parameters"], r["tokens"]))
 
 
+def phase_leads(scratch_valid: list[dict], phases: list[dict]) -> list[Optional[float]]:
+    """How far a run is ahead of training from scratch at the end of each of its phases, at equal
+    FLOPs: scratch's validation loss at the run's FLOPs so far (linear between scratch's
+    evaluations), minus the run's validation loss at that phase's end; positive is ahead.
+    ``scratch_valid``: scratch's evaluations (``flops``, ``loss``), ``phases``: the run's
+    (``flops`` spent in the phase, ``valid_loss`` at its end), both as a benchmark run file has
+    them; None for a phase that ends before scratch's first evaluation. Where a multilevel run's
+    lead is made and where it is lost, phase by phase."""
+    points = sorted((v["flops"], v["loss"]) for v in scratch_valid)
+    leads, spent = [], 0.0
+    for phase in phases:
+        spent += phase["flops"]
+        # the full budget's FLOPs match scratch's, to rounding
+        assert spent <= points[-1][0] * (1 + 1e-6), (spent, points[-1][0])
+        if spent < points[0][0]:
+            leads.append(None)
+            continue
+        spent_in = min(spent, points[-1][0])
+        i = next(k for k in range(1, len(points)) if points[k][0] >= spent_in) if len(points) > 1 else 0
+        (f0, l0), (f1, l1) = points[max(i - 1, 0)], points[i]
+        at = l1 if f1 == f0 else l0 + (l1 - l0) * (spent_in - f0) / (f1 - f0)
+        leads.append(at - phase["valid_loss"])
+    return leads
+
+
 def _full_budget_loss(seed: dict) -> float:
     """The final validation loss of a seed's largest budget run (``final_valid_loss`` is keyed by
     the budget fraction, as text)."""

@@ -501,3 +501,50 @@ def test_study_rows_and_their_table(tmp_path):
 
     with open(plot_scale(rows, str(tmp_path / "plot")), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_phase_leads_against_scratch_at_equal_flops(tmp_path):
+    """A run's lead over scratch at each phase end, by hand on a made-up piecewise-linear scratch
+    curve; the study report's table of them, from run files (full budget only, same seed)."""
+    from megatron_multilevel.benchmarking import phase_leads
+
+    scratch = [{"flops": f * 1e9, "loss": loss} for f, loss in ((1, 4.0), (2, 3.0), (3, 2.5), (4, 2.0))]
+    # phase ends at 0.5e9 (before scratch's first evaluation), 1.5e9, 2.5e9 and 4e9 FLOPs:
+    # scratch is at -, 3.5, 2.75 and 2.0 there
+    phases = [{"flops": 0.5e9, "valid_loss": 4.5}, {"flops": 1e9, "valid_loss": 3.0},
+              {"flops": 1e9, "valid_loss": 2.4}, {"flops": 1.5e9, "valid_loss": 1.9}]
+    leads = phase_leads(scratch, phases)
+    assert leads[0] is None and leads[1:] == pytest.approx([0.5, 0.35, 0.1])
+    with pytest.raises(AssertionError):  # more FLOPs than scratch's whole run: not the same budget
+        phase_leads(scratch, phases + [{"flops": 1e9, "valid_loss": 1.0}])
+
+    report = _tool("study_report")
+    runs = tmp_path / "cpu-4x128-960" / "runs"
+    runs.mkdir(parents=True)
+
+    def write(method, seed, fraction, phases, valid=()):
+        (runs / f"{method}-f{fraction:g}-s{seed}.json").write_text(json.dumps(
+            {"method": method, "fraction": fraction, "seed": seed, "phases": phases, "valid": list(valid)}))
+
+    for seed, shift in ((1, 0.0), (2, 0.2)):  # seed 2's scratch ends 0.2 higher everywhere
+        write("scratch", seed, 1.0, [{"level": 0, "steps": 40, "flops": 4e9, "valid_loss": 2.0 + shift}],
+              [{**v, "loss": v["loss"] + shift} for v in scratch])
+        write("fcycle2", seed, 1.0, [{"level": 1, "steps": 30, "flops": 1.5e9, "valid_loss": 3.0}]
+              + [{"level": 0, "steps": 10, **p} for p in phases[2:]])  # ends at 1.5e9, 2.5e9, 4e9
+        write("fcycle2", seed, 0.8, [{"level": 1, "steps": 1, "flops": 1e9, "valid_loss": 9.0}] * 2)
+        write("vcycle2", seed, 0.8, [{"level": 1, "steps": 1, "flops": 1e9, "valid_loss": 9.0}] * 2)  # no full budget
+        write("stacking", seed, 1.0, [{"level": 1, "steps": 30, "flops": 1.5e9, "valid_loss": 3.3},
+                                      {"level": 0, "steps": 25, "flops": 2.5e9, "valid_loss": 2.0}])
+    write("stacking", 3, 1.0, [{"level": 1, "steps": 30, "flops": 1.5e9, "valid_loss": 0.0},
+                               {"level": 0, "steps": 25, "flops": 2.5e9, "valid_loss": 0.0}])  # no scratch: left out
+    write("ode2", 1, 1.0, [{"level": 0, "steps": 40, "flops": 4e9, "valid_loss": 2.0}])  # one phase: nothing to say
+    leads = report.read_leads(str(tmp_path), [{"point": "cpu-4x128-960"}])
+    assert [(x["method"], x["seeds"]) for x in leads] == [("fcycle2", [1, 2]), ("stacking", [1, 2])]
+    fcycle = leads[0]
+    assert fcycle["phases"] == [{"level": 1, "steps": 30}, {"level": 0, "steps": 10}, {"level": 0, "steps": 10}]
+    assert fcycle["lead_by_seed"]["1"] == pytest.approx([0.5, 0.35, 0.1])
+    assert fcycle["lead_by_seed"]["2"] == pytest.approx([0.7, 0.55, 0.3])
+    assert fcycle["lead"] == pytest.approx([0.6, 0.45, 0.2])
+    assert leads[1]["lead"] == pytest.approx([0.3, 0.1])  # scratch at 3.5 and 2.0 (+0.1 for the median)
+    assert ("| cpu-4x128-960 | fcycle2 | 2 | 1: 30, 0: 10, 0: 10 | +0.600, +0.450, +0.200 |"
+            in report.leads_table(leads))

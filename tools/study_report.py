@@ -74,6 +74,48 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def read_leads(benchmarks: str, rows: list[dict]) -> list[dict]:
+    """Per point and multilevel method, from the full-budget run files of ``<point>/runs/``: its
+    phases (level and steps) and its lead over training from scratch at the end of each phase, at
+    equal FLOPs (:func:`megatron_multilevel.benchmarking.phase_leads`), the median over the seeds
+    and every seed's."""
+    import glob
+    import statistics
+
+    from megatron_multilevel.benchmarking import phase_leads
+
+    out = []
+    for r in rows:
+        runs = {}
+        for path in sorted(glob.glob(os.path.join(benchmarks, r["point"], "runs", "*.json"))):
+            with open(path) as f:
+                run = json.load(f)
+            if float(run["fraction"]) == 1.0:
+                runs[run["method"], run["seed"]] = run
+        for method in sorted({m for m, _ in runs} - {"scratch"}):
+            seeds = sorted(s for m, s in runs if m == method and ("scratch", s) in runs)
+            if not seeds or len(runs[method, seeds[0]]["phases"]) < 2:
+                continue
+            phases = runs[method, seeds[0]]["phases"]
+            leads = {s: phase_leads(runs["scratch", s]["valid"], runs[method, s]["phases"]) for s in seeds}
+            out.append({"point": r["point"], "method": method, "seeds": seeds,
+                        "phases": [{"level": p["level"], "steps": p["steps"]} for p in phases],
+                        "lead": [None if leads[seeds[0]][i] is None else statistics.median(leads[s][i] for s in seeds)
+                                 for i in range(len(phases))],
+                        "lead_by_seed": {str(s): leads[s] for s in seeds}})
+    return out
+
+
+def leads_table(leads: list[dict]) -> str:
+    lines = ["| point | method | seeds | phases (level: steps) | lead over scratch at equal FLOPs at each phase's end "
+             "(nats, median over seeds) |", "|---|---|---|---|---|"]
+    for x in leads:
+        phases = ", ".join(f"{p['level']}: {p['steps']}" for p in x["phases"])
+        lead = ", ".join("-" if v is None else f"{v:+.3f}" for v in x["lead"])
+        lines.append(f"| {x['point']} | {x['method']} | {len(x['seeds'])} | {phases} | {lead} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--benchmarks", default=os.path.join(ROOT, "benchmarks"))
@@ -96,11 +138,15 @@ def main(argv=None) -> int:
 
     rows = study_rows(points, parameter_counts(points))
     os.makedirs(out, exist_ok=True)
-    text = table(rows)
+    leads = read_leads(args.benchmarks, rows)
+    text = table(rows) + (
+        "\nWhere the lead is made: each multilevel method's full-budget run against training from scratch"
+        " with the same seed, at equal FLOPs, at the end of each of its phases (level 0 is the full"
+        " model; positive: ahead).\n\n" + leads_table(leads))
     with open(os.path.join(out, "study.md"), "w") as f:
         f.write(f"Made by `python tools/study_report.py` from the runs of commit {commit}.\n\n" + text)
     with open(os.path.join(out, "study.json"), "w") as f:
-        json.dump({"commit": commit, "points": rows}, f, indent=1)
+        json.dump({"commit": commit, "points": rows, "leads": leads}, f, indent=1)
         f.write("\n")
     plot = plot_scale(rows, out)
     print(text + f"\nwritten: {os.path.join(out, 'study.md')}, study.json, {plot}")
