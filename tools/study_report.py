@@ -6,7 +6,9 @@ saving against the budget per method.
 A point is a directory ``cpu-<layers>x<hidden>-<steps>`` of ``benchmarks/`` (``run_study.sh
 --list``) whose ``results.json`` was made by the study's pinned code (``benchmarks/STUDY_COMMIT``);
 the others are named and left out, so that the table never mixes code versions. Writes
-``study.md`` (one row per point and method), ``study.json`` and ``saving_vs_budget.png``.
+``study.md`` (one row per point and method, then each multilevel method's lead over scratch at
+equal FLOPs at the end of each phase, from the point's full-budget run files), ``study.json`` and
+``saving_vs_budget.png``.
 """
 
 import argparse
