@@ -419,16 +419,9 @@ def phase_leads(scratch_valid: list[dict], phases: list[dict]) -> list[Optional[
     leads, spent = [], 0.0
     for phase in phases:
         spent += phase["flops"]
-        # the full budget's FLOPs match scratch's, to rounding
+        # the full budget's FLOPs match scratch's, to rounding (beyond its last evaluation: clamped)
         assert spent <= points[-1][0] * (1 + 1e-6), (spent, points[-1][0])
-        if spent < points[0][0]:
-            leads.append(None)
-            continue
-        spent_in = min(spent, points[-1][0])
-        i = next(k for k in range(1, len(points)) if points[k][0] >= spent_in) if len(points) > 1 else 0
-        (f0, l0), (f1, l1) = points[max(i - 1, 0)], points[i]
-        at = l1 if f1 == f0 else l0 + (l1 - l0) * (spent_in - f0) / (f1 - f0)
-        leads.append(at - phase["valid_loss"])
+        leads.append(None if spent < points[0][0] else at_fraction(points, spent) - phase["valid_loss"])
     return leads
 
 
