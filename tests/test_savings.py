@@ -438,9 +438,9 @@ def _add_one_budget_method(results: dict, seeds: dict, name: str = "ode2") -> No
             for seed, (target, final) in seeds.items()]
     nothing = summarize([None] * len(seeds))
     results["methods"][name] = {"family": "ode", "seeds": runs,
-                                  "final_valid_loss": summarize([final for _, final in seeds.values()]),
-                                  "eq_saving_flops": nothing, "eq_saving_seconds_normalized": nothing,
-                                  "crossing_saving_flops": nothing}
+                                "final_valid_loss": summarize([final for _, final in seeds.values()]),
+                                "eq_saving_flops": nothing, "eq_saving_seconds_normalized": nothing,
+                                "crossing_saving_flops": nothing}
 
 
 def test_study_rows_and_their_table(tmp_path):
@@ -505,7 +505,8 @@ def test_study_rows_and_their_table(tmp_path):
 
 def test_phase_leads_against_scratch_at_equal_flops(tmp_path):
     """A run's lead over scratch at each phase end, by hand on a made-up piecewise-linear scratch
-    curve; the study report's table of them, from run files (full budget only, same seed)."""
+    curve; the study report's table of them, from run files (full budget only, same seed, the
+    point's code version)."""
     from megatron_multilevel.benchmarking import phase_leads
 
     scratch = [{"flops": f * 1e9, "loss": loss} for f, loss in ((1, 4.0), (2, 3.0), (3, 2.5), (4, 2.0))]
@@ -522,9 +523,10 @@ def test_phase_leads_against_scratch_at_equal_flops(tmp_path):
     runs = tmp_path / "cpu-4x128-960" / "runs"
     runs.mkdir(parents=True)
 
-    def write(method, seed, fraction, phases, valid=()):
+    def write(method, seed, fraction, phases, valid=(), version="v1"):
         (runs / f"{method}-f{fraction:g}-s{seed}.json").write_text(json.dumps(
-            {"method": method, "fraction": fraction, "seed": seed, "phases": phases, "valid": list(valid)}))
+            {"method": method, "fraction": fraction, "seed": seed, "phases": phases, "valid": list(valid),
+             "version": version}))
 
     for seed, shift in ((1, 0.0), (2, 0.2)):  # seed 2's scratch ends 0.2 higher everywhere
         write("scratch", seed, 1.0, [{"level": 0, "steps": 40, "flops": 4e9, "valid_loss": 2.0 + shift}],
@@ -538,7 +540,9 @@ def test_phase_leads_against_scratch_at_equal_flops(tmp_path):
     write("stacking", 3, 1.0, [{"level": 1, "steps": 30, "flops": 1.5e9, "valid_loss": 0.0},
                                {"level": 0, "steps": 25, "flops": 2.5e9, "valid_loss": 0.0}])  # no scratch: left out
     write("ode2", 1, 1.0, [{"level": 0, "steps": 40, "flops": 4e9, "valid_loss": 2.0}])  # one phase: nothing to say
-    leads = report.read_leads(str(tmp_path), [{"point": "cpu-4x128-960"}])
+    write("wcycle2", 1, 1.0, [{"level": 1, "steps": 30, "flops": 1.5e9, "valid_loss": 3.0}] * 2,
+          version="v0")  # made by other code than the point's results.json: left out
+    leads = report.read_leads(str(tmp_path), [{"point": "cpu-4x128-960"}], {"cpu-4x128-960": {"version": "v1"}})
     assert [(x["method"], x["seeds"]) for x in leads] == [("fcycle2", [1, 2]), ("stacking", [1, 2])]
     fcycle = leads[0]
     assert fcycle["phases"] == [{"level": 1, "steps": 30}, {"level": 0, "steps": 10}, {"level": 0, "steps": 10}]

@@ -76,8 +76,9 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def read_leads(benchmarks: str, rows: list[dict]) -> list[dict]:
-    """Per point and multilevel method, from the full-budget run files of ``<point>/runs/``: its
+def read_leads(benchmarks: str, rows: list[dict], points: dict[str, dict]) -> list[dict]:
+    """Per point (in the order of ``rows``) and multilevel method, from the full-budget run files of
+    ``<point>/runs/`` made by the code of the point's ``results.json`` (``points[name]``): its
     phases (level and steps) and its lead over training from scratch at the end of each phase, at
     equal FLOPs (:func:`megatron_multilevel.benchmarking.phase_leads`), the median over the seeds
     and every seed's."""
@@ -92,7 +93,7 @@ def read_leads(benchmarks: str, rows: list[dict]) -> list[dict]:
         for path in sorted(glob.glob(os.path.join(benchmarks, r["point"], "runs", "*.json"))):
             with open(path) as f:
                 run = json.load(f)
-            if float(run["fraction"]) == 1.0:
+            if float(run["fraction"]) == 1.0 and run["version"] == points[r["point"]]["version"]:
                 runs[run["method"], run["seed"]] = run
         for method in sorted({m for m, _ in runs} - {"scratch"}):
             seeds = sorted(s for m, s in runs if m == method and ("scratch", s) in runs)
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
 
     rows = study_rows(points, parameter_counts(points))
     os.makedirs(out, exist_ok=True)
-    leads = read_leads(args.benchmarks, rows)
+    leads = read_leads(args.benchmarks, rows, points)
     text = table(rows) + (
         "\nWhere the lead is made: each multilevel method's full-budget run against training from scratch"
         " with the same seed, at equal FLOPs, at the end of each of its phases (level 0 is the full"
