@@ -7,9 +7,10 @@
 #   bash benchmarks/run_study.sh --seeds 2 cpu-8x256-480     # only the first two seeds of a point
 #   bash benchmarks/run_study.sh ablation-8x256-480          # the recipe's ablation (one seed)
 #
-# All runs of the study are made by the code of one commit, benchmarks/STUDY_COMMIT: the script
-# runs the benchmark from a worktree of that commit, whatever main has become since, so a study
-# continued by a later session on another machine never mixes code versions. Each finished run
+# All runs of a point are made by the code of one commit, benchmarks/STUDY_COMMIT (the scale study's
+# pin), or benchmarks/<point>/STUDY_COMMIT where a point has its own (the ablation of a later
+# recipe): the script runs the benchmark from a worktree of that commit, whatever main has become
+# since, so a study continued by a later session on another machine never mixes code versions. Each finished run
 # leaves a small JSON file in benchmarks/<point>/runs/ (commit them); a later call skips those and
 # runs only what is missing, then remakes benchmarks/<point>/results.{json,md} and the plots.
 # Killed in the middle, a run resumes from its last checkpoint (run directories: runs/study/).
@@ -55,13 +56,46 @@ declare -A POINTS=(
   [cpu-4x128-960]="--size cpu-small --steps 960"
   [cpu-4x128-3840]="--size cpu-small --steps 3840"
 )
-declare -A SEEDS=([cpu-8x256-480]=3 [ablation-8x256-480]=1)  # two elsewhere
+declare -A SEEDS=([cpu-8x256-480]=3 [ablation-8x256-480]=1 [ablation-8x256-480-b582310]=1)  # two elsewhere
 ORDER=(cpu-8x256-480 cpu-4x128-240 cpu-4x128-960 cpu-8x256-240 cpu-8x256-960 cpu-4x128-3840)
 
-# The ablation of the recipe (README, "The recipe": the F-cycle above) at the headline point, one
-# change at a time, each at the full budget (final loss and curve crossing), most telling first.
+# The ablation of the recipe (README, "The recipe": the F-cycle above with the half-length second
+# visit, benchmarking.RECIPE) at the headline point, one change at a time, each at the full budget
+# (final loss and curve crossing), most telling first: the changes that ended under the previous
+# recipe (width coalesced too, a 90% coarse share), alone and together, the coarse learning rate,
+# the ODE strategy with the coarse level first and stacking given the same levers, then every
+# lever of the previous recipe's ablation (benchmarks/ablation-8x256-480-b582310/) again. Its own
+# pin: benchmarks/ablation-8x256-480/STUDY_COMMIT.
 POINTS[ablation-8x256-480]="--size cpu --steps 480 --fractions 1.0"
 ABLATION=(
+  "--recipe"                                                                  # the recipe (fcycle2)
+  "--recipe --shape width+depth --tag=-width+depth"                           # width coalesced too (coarse rate x3)
+  "--recipe --shape width+depth --perturbation 0.05 --tag=-width+depth-p0.05"  # ... its copies made to differ
+  "--recipe --coarse-share 0.9 --tag=-coarse0.9"                              # 90% of the steps coarse
+  "--recipe --shape width+depth --coarse-share 0.9 --tag=-width+depth-coarse0.9"  # both
+  "--recipe --coarse-lr-factor 1.5 --tag=-lr1.5"                              # the half-depth model's rate x1.5
+  # the multilevel ODE strategy with the coarse level first (docs/benchmarks.md): moments mapped,
+  # one schedule, at the recipe's share and at 90%
+  "--methods ode2 --ea 0 --coarse-share 0.8 --lr-schedule continue --ode coherence=none cycles=1 prolongation=constant optimizer_state=map --tag=-first-constant-map"
+  "--methods ode2 --ea 0 --coarse-share 0.9 --lr-schedule continue --ode coherence=none cycles=1 prolongation=constant optimizer_state=map --tag=-first-constant-map-c0.9"
+  # progressive stacking with the recipe's share, growth, moments and schedule, and at 90%
+  "--methods stacking --depth-scaling identity --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue"
+  "--methods stacking --depth-scaling identity --coarse-share 0.9 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-c0.9"
+  "--recipe --fcycle-revisit 0.25 --tag=-revisit0.25"                         # the previous recipe
+  "--recipe --fcycle-revisit 0.75 --tag=-revisit0.75"
+  "--recipe --alpha 1.0 0.5 0.75"                                             # the correction's step size
+  "--recipe --interpolation blend --alpha 0.5 --tag=-blend"                   # the paper's return: blend, alpha 0.5
+  "--recipe --lr-schedule restart --tag=-restart"                             # every phase its own schedule (the paper)
+  "--recipe --optimizer-state reset --tag=-reset"                             # AdamW restarted at every transition
+  "--recipe --methods vcycle2 wcycle2"                                        # the V- and W-cycle, same settings
+  "--recipe --after-warmup 19 --tag=-rewarm"                                  # re-warm-up (4%) after every return
+  "--recipe --ea 0.1 0.05 0.2 --coarse-share 0.8 0.5 0.65"                    # fine steps before it; coarse share
+  "--recipe --depth-pairing adjacent --tag=-adjacent"                         # coarse layer i = fine layers 2i, 2i+1
+  "--recipe --compare-depth-scaling"                                          # the paper's and the ODE depth operators
+  "--recipe --methods vcycle3"                                                # three levels
+  "--recipe --coarse-lr-factor 2 --tag=-lr2"
+)
+ABLATION_B582310=(  # the previous recipe's ablation (pin b582310: benchmarks/ablation-8x256-480-b582310/)
   "--methods fcycle2 $RECIPE"                                                # the recipe
   "--methods fcycle2 $RECIPE --interpolation blend --alpha 0.5 --tag=-blend"  # the paper's return: blend, alpha 0.5
   "--methods fcycle2 $RECIPE --lr-schedule restart --tag=-restart"           # every phase its own schedule (the paper)
@@ -78,8 +112,14 @@ ABLATION=(
   "--methods vcycle3 $RECIPE"                                                # three levels
 )
 
+POINTS[ablation-8x256-480-b582310]="${POINTS[ablation-8x256-480]}"
+
 recipes_of() {  # the recipe lines of a point
-  if [[ "$1" == ablation-* ]]; then printf '%s\n' "${ABLATION[@]}"; else printf '%s\n' "${RECIPES[@]}"; fi
+  case "$1" in
+    ablation-8x256-480-b582310) printf '%s\n' "${ABLATION_B582310[@]}" ;;
+    ablation-*) printf '%s\n' "${ABLATION[@]}" ;;
+    *) printf '%s\n' "${RECIPES[@]}" ;;
+  esac
 }
 
 max_seeds=""
@@ -87,7 +127,7 @@ if [[ "${1:-}" == "--seeds" ]]; then
   max_seeds="${2:?--seeds takes a number}"; shift 2
 fi
 if [[ "${1:-}" == "--list" ]]; then
-  for point in "${ORDER[@]}" ablation-8x256-480; do
+  for point in "${ORDER[@]}" ablation-8x256-480 ablation-8x256-480-b582310; do
     while IFS= read -r recipe; do
       echo "$point: ${POINTS[$point]} $recipe (seeds 1234 to $((1233 + ${SEEDS[$point]:-2})))"
     done < <(recipes_of "$point")
@@ -100,21 +140,27 @@ for point in "${points[@]}"; do
   [[ -n "${POINTS[$point]:-}" ]] || { echo "run_study.sh: unknown point $point (see --list)" >&2; exit 2; }
 done
 
-if [[ ! -f "$root/benchmarks/STUDY_COMMIT" ]]; then
-  echo "run_study.sh: benchmarks/STUDY_COMMIT names the commit whose code makes every run of the study;" >&2
-  echo "  pin it once, before the first run: git rev-parse HEAD > benchmarks/STUDY_COMMIT (and commit it)" >&2
-  exit 2
-fi
-commit="$(cat "$root/benchmarks/STUDY_COMMIT")"
-work="$root/.cache/study-${commit:0:12}"
-if [[ ! -d "$work" ]]; then
-  git -C "$root" worktree add --detach "$work" "$commit" >/dev/null
-fi
-# the worktree shares main's data cache (corpus, tokenizer): made once, on a fresh machine too
-mkdir -p "$root/.cache/megatron_multilevel" "$work/.cache"
-ln -sfn "$root/.cache/megatron_multilevel" "$work/.cache/megatron_multilevel"
+pin_of() {  # the commit whose code makes a point's runs: the point's own pin, else the study's
+  local own="$root/benchmarks/$1/STUDY_COMMIT"
+  if [[ -f "$own" ]]; then cat "$own"; else cat "$root/benchmarks/STUDY_COMMIT"; fi
+}
+for point in "${points[@]}"; do
+  if [[ ! -f "$root/benchmarks/$point/STUDY_COMMIT" && ! -f "$root/benchmarks/STUDY_COMMIT" ]]; then
+    echo "run_study.sh: benchmarks/STUDY_COMMIT names the commit whose code makes every run of the study;" >&2
+    echo "  pin it once, before the first run: git rev-parse HEAD > benchmarks/STUDY_COMMIT (and commit it)" >&2
+    exit 2
+  fi
+done
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extensions}"
 for point in "${points[@]}"; do
+  commit="$(pin_of "$point")"
+  work="$root/.cache/study-${commit:0:12}"
+  if [[ ! -d "$work" ]]; then
+    git -C "$root" worktree add --detach "$work" "$commit" >/dev/null
+  fi
+  # the worktree shares main's data cache (corpus, tokenizer): made once, on a fresh machine too
+  mkdir -p "$root/.cache/megatron_multilevel" "$work/.cache"
+  ln -sfn "$root/.cache/megatron_multilevel" "$work/.cache/megatron_multilevel"
   echo "== $point (code of $commit)"
   # seed by seed, every method at every fraction: a study stopped early has whole seeds
   seeds=${SEEDS[$point]:-2}
@@ -124,10 +170,11 @@ for point in "${points[@]}"; do
     for recipe in "${recipes[@]}"; do  # each line adds its method; the last report shows them all
       # a run that fails (a port taken at its rendezvous by another job on the machine) is tried
       # again, twice: the benchmark runs only what is missing and resumes from the last checkpoint
+      # (run directories per pin: a run never resumes from another code's checkpoint)
       for attempt in 1 2 3; do
         # shellcheck disable=SC2086
         if (cd "$work" && "$python_bin" tools/benchmark_savings.py ${POINTS[$point]} $recipe \
-            --seed $((1234 + s)) --results "$root/benchmarks/$point" --out "$root/runs/study/$point"); then
+            --seed $((1234 + s)) --results "$root/benchmarks/$point" --out "$root/runs/study/$point-${commit:0:12}"); then
           break
         fi
         [[ $attempt -lt 3 ]] || { echo "run_study.sh: $point, seed $((1234 + s)): failed 3 times" >&2; exit 1; }

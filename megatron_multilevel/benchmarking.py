@@ -185,7 +185,7 @@ RECIPE = dict(shape="depth", depth_pairing="halves", depth_scaling="identity", c
               interpolation="correction", alpha=1.0)
 
 
-def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor: float = 3.0,
+def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor: "float | None" = None,
                     ea: float = 0.05, coarse_share: float = 0.5, alpha: float = 0.5, warmup: int = 20,
                     after_warmup: int = 20, budget: str = "flops", depth_scaling: str = "none",
                     perturbation_std: float = 0.0, shape: str = "width+depth", depth_pairing: str = "adjacent",
@@ -199,7 +199,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
 
     - ``scratch``: the fine model, ``steps`` steps;
     - ``vcycle2``: ``ea`` of the steps at the fine level, ``coarse_share`` at the coarse level
-      (at ``coarse_lr_factor`` times the learning rate if it is narrower, no warm-up), the rest at
+      (at ``coarse_lr_factor`` times the learning rate, no warm-up), the rest at
       the fine level after de-coalescing and interpolating with ``alpha``;
     - ``vcycle3``: the same shape over three levels (the middle level gets ``ea`` on the way down
       and a third of the remaining fine steps on the way up);
@@ -251,9 +251,14 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     ea_steps = max(1, round(ea * steps))
     coarse = round(coarse_share * steps)
     shape = SHAPES[shape]
-    # a narrower model takes a larger learning rate; a shallower one of the same width does not
-    # (progressive stacking keeps the fine rate too)
-    coarse_lr = (coarse_lr_factor if shape["coalesce_width"] else 1.0) * fine_lr
+    # a narrower model takes a larger learning rate; by default a shallower one of the same width
+    # does not (progressive stacking keeps the fine rate too): coarse_lr_factor None is 3 for a
+    # narrower coarse model and 1 for a shallower one, a number sets it for either
+    if coarse_lr_factor is None:
+        coarse_lr_factor = 3.0 if shape["coalesce_width"] else 1.0
+    if coarse_lr_factor <= 0:
+        raise ValueError(f"invalid coarse_lr_factor {coarse_lr_factor!r}; it must be positive")
+    coarse_lr = coarse_lr_factor * fine_lr
     narrower = 1.5 if shape["coalesce_width"] else 1.0
     r2 = _flops_ratios(base, {"num_levels": 2, **shape})
     r3 = _flops_ratios(base, {"num_levels": 3, **shape})

@@ -179,6 +179,21 @@ def test_variants_coalesce_the_shape_asked_for():
         variant_configs(BASE, steps=100, fine_lr=1e-3, shape="heads")
 
 
+def test_coarse_learning_rate_factor_set_for_any_shape():
+    def coarse_peaks(**kw):
+        configs = variant_configs(BASE, steps=400, fine_lr=1e-3, **kw)
+        coarse = {name: configs[name]["multilevel"]["levels"][1] for name in ("vcycle2", "wcycle2", "fcycle2")}
+        return [coarse["vcycle2"]["lr_before"]["peak"], coarse["wcycle2"]["lr_before"]["peak"],
+                *(visit["lr"]["peak"] for visit in coarse["fcycle2"]["visits"])]
+    # given, the factor scales the coarse rate of a shallower model as of a narrower one
+    for shape in ("depth", "width+depth"):
+        assert coarse_peaks(shape=shape, coarse_lr_factor=1.5) == pytest.approx([1.5e-3] * 4), shape
+    assert coarse_peaks(shape="depth") == pytest.approx([1e-3] * 4)
+    assert coarse_peaks(shape="width+depth") == pytest.approx([3e-3] * 4)
+    with pytest.raises(ValueError, match="invalid coarse_lr_factor 0"):
+        variant_configs(BASE, steps=100, fine_lr=1e-3, coarse_lr_factor=0)
+
+
 def _bench(tmp_path, *extra):
     cmd = [sys.executable, str(ROOT / "tools" / "benchmark_savings.py"), "--size", "tiny", "--steps", "12",
            "--data-prefix", str(tmp_path / "gpt"), "--tokenizer-model", str(tmp_path / "gpt.model"),

@@ -396,7 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ea", type=float, nargs="+", default=[0.05], help="share of steps before coalescing")
     p.add_argument("--coarse-share", "--coarse_share", type=float, nargs="+", default=[0.5],
                    help="share of steps at coarser levels")
-    p.add_argument("--coarse-lr-factor", "--coarse_lr_factor", type=float, default=3.0)
+    p.add_argument("--coarse-lr-factor", "--coarse_lr_factor", type=float, default=None,
+                   help="the cycles' coarse peak learning rate over the fine one (default: 3 where the "
+                        "coarse model is narrower, 1 where it is only shallower)")
     p.add_argument("--fcycle-revisit", "--fcycle_revisit", type=float, default=0.25,
                    help="F-cycle: steps of the second coarse visit, as a share of the first")
     p.add_argument("--optimizer-state", "--optimizer_state", choices=["reset", "map"], default="reset",
