@@ -138,6 +138,20 @@ def source_version(root: str) -> str:
     return digest.hexdigest()[:12]
 
 
+def kept_runs(runs_dir: str, version: str) -> tuple[list[dict], list[str]]:
+    """The result files of ``runs_dir`` (one JSON file per finished run) made by the code
+    ``version`` (:func:`source_version`), in file-name order, and the other code versions found
+    there: those are left out, so that a table never mixes code versions."""
+    import glob
+    import json
+
+    runs = []
+    for path in sorted(glob.glob(os.path.join(runs_dir, "*.json"))):
+        with open(path) as f:
+            runs.append(json.load(f))
+    return [r for r in runs if r["version"] == version], sorted({r["version"] for r in runs} - {version})
+
+
 def summarize(values: Sequence[Optional[float]]) -> dict:
     """Median and spread of repeated measurements (None: not reached in some repeat)."""
     present = [v for v in values if v is not None]

@@ -8,7 +8,7 @@ import pytest
 
 from launch_helpers import ROOT, make_corpus, preprocess
 from megatron_multilevel.benchmarking import (
-    at_fraction, compress, equal_quality, first_crossing, run_savings, summarize, variant_configs)
+    at_fraction, compress, equal_quality, first_crossing, kept_runs, run_savings, summarize, variant_configs)
 from megatron_multilevel.config import load_config
 
 
@@ -374,6 +374,16 @@ def test_variants_on_one_schedule():
             if name[0] in "vwf"} == {"vcycle2": "correction", "vcycle3": "correction", "wcycle2": "correction",
                                      "fcycle2": "correction"}
     assert load_config(variant_configs(BASE, steps=400, fine_lr=1e-3)["fcycle2"]).multilevel.lr_schedule == "restart"
+
+
+def test_kept_runs_of_one_code_version(tmp_path):
+    for name, version in [("b-s2", "v1"), ("a-s1", "v1"), ("c-s1", "v2"), ("d-s1", "v3")]:
+        (tmp_path / f"{name}.json").write_text(json.dumps({"method": name, "version": version}))
+    (tmp_path / "notes.txt").write_text("not a run")
+    runs, others = kept_runs(str(tmp_path), "v1")
+    assert [r["method"] for r in runs] == ["a-s1", "b-s2"]
+    assert others == ["v2", "v3"]
+    assert kept_runs(str(tmp_path / "missing"), "v1") == ([], [])
 
 
 def test_a_kept_run_is_reused_from_another_checkout_only(tmp_path):

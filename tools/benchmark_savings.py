@@ -532,13 +532,11 @@ def _write_json(path: str, value) -> None:
 
 def report(args, base: dict, names: list[str], version: str, results_dir: str, started: float, argv) -> dict:
     """Tables, plots and ``results.json`` from the kept results of this code version."""
-    kept = []
-    for fname in sorted(os.listdir(results_dir)):
-        with open(os.path.join(results_dir, fname)) as f:
-            kept.append(json.load(f))
+    from megatron_multilevel.benchmarking import kept_runs
+
+    kept, others = kept_runs(results_dir, version)
     order = {name: i for i, name in enumerate(names)}
-    results = sorted((run for run in kept if run["version"] == version), key=lambda r: order.get(r["method"], len(order)))
-    others = sorted({run["version"] for run in kept} - {version})
+    results = sorted(kept, key=lambda r: order.get(r["method"], len(order)))
     if others:
         print(f"note: results of other code versions {others} in {results_dir} are left out", flush=True)
     if not results:

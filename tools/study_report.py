@@ -82,19 +82,14 @@ def read_leads(benchmarks: str, rows: list[dict], points: dict[str, dict]) -> li
     phases (level and steps) and its lead over training from scratch at the end of each phase, at
     equal FLOPs (:func:`megatron_multilevel.benchmarking.phase_leads`), the median over the seeds
     and every seed's."""
-    import glob
     import statistics
 
-    from megatron_multilevel.benchmarking import phase_leads
+    from megatron_multilevel.benchmarking import kept_runs, phase_leads
 
     out = []
     for r in rows:
-        runs = {}
-        for path in sorted(glob.glob(os.path.join(benchmarks, r["point"], "runs", "*.json"))):
-            with open(path) as f:
-                run = json.load(f)
-            if float(run["fraction"]) == 1.0 and run["version"] == points[r["point"]]["version"]:
-                runs[run["method"], run["seed"]] = run
+        kept, _ = kept_runs(os.path.join(benchmarks, r["point"], "runs"), points[r["point"]]["version"])
+        runs = {(run["method"], run["seed"]): run for run in kept if float(run["fraction"]) == 1.0}
         for method in sorted({m for m, _ in runs} - {"scratch"}):
             seeds = sorted(s for m, s in runs if m == method and ("scratch", s) in runs)
             if not seeds or len(runs[method, seeds[0]]["phases"]) < 2:
