@@ -123,17 +123,24 @@ def _crash_and_resume(tmp_path, corpus, crash_at, **blocks):
 def test_resume_after_kill_follows_the_same_trajectory(reference, corpus, tmp_path, crash_at, resumed_phase):
     run = _crash_and_resume(tmp_path, corpus, crash_at)
     assert [r["phase"] for r in records(run, "resume")] == [resumed_phase]
-    _assert_close_to_reference(run, reference, 1e-6)
+    _assert_close_to_reference(run, reference, **SAME_RUN)
     assert json.loads((run / "summary.json").read_text())["phases"][-1]["valid_loss"] == pytest.approx(
-        json.loads((reference["dir"] / "summary.json").read_text())["phases"][-1]["valid_loss"], abs=1e-6
+        json.loads((reference["dir"] / "summary.json").read_text())["phases"][-1]["valid_loss"], **SAME_RUN
     )
 
 
-def _assert_close_to_reference(run, reference, tol):
+# Two launches of the same run can differ in the float32 losses' last bits (seen in CI: 1.2e-6
+# relative, in phases before any kill, as in test_first_hour); a resume that lost any state (data
+# position, RNG, optimizer, schedule) moves them by orders of magnitude more. SAME_RUN is the
+# relative tolerance of a resumed run against the uninterrupted one in the same layout.
+SAME_RUN = dict(rel=1e-5)
+
+
+def _assert_close_to_reference(run, reference, **tol):
     ours, ref = losses(run), losses(reference["dir"])
     assert [r[:2] for r in ours] == [r[:2] for r in ref]
     for a, b in zip(ours, ref):
-        assert a[2] == pytest.approx(b[2], abs=tol), (a, b)
+        assert a[2] == pytest.approx(b[2], **tol), (a, b)
 
 
 @pytest.fixture(scope="module")
@@ -170,9 +177,9 @@ def test_w_cycle_resume_after_kill(w_reference, corpus, tmp_path, crash_at):
     the resume rebuilds level 0 as it was before its second coalescing (phase 2), not its first."""
     run = _crash_and_resume(tmp_path, corpus, crash_at, multilevel={"cycle": "w"})
     assert [r["phase"] for r in records(run, "resume")] == [3]
-    _assert_close_to_reference(run, w_reference, 1e-6)
+    _assert_close_to_reference(run, w_reference, **SAME_RUN)
     assert json.loads((run / "summary.json").read_text())["phases"][-1]["valid_loss"] == pytest.approx(
-        json.loads((w_reference["dir"] / "summary.json").read_text())["phases"][-1]["valid_loss"], abs=1e-6
+        json.loads((w_reference["dir"] / "summary.json").read_text())["phases"][-1]["valid_loss"], **SAME_RUN
     )
 
 
@@ -212,7 +219,7 @@ def test_two_processes_with_changing_layouts(reference, corpus, tmp_path):
     out = _ok(launch(config, "--num_procs", 2)).stdout
     # each level's layout is said when the run starts (sequence parallelism stays off on CPU by default)
     assert re.search(r"on 2 rank\(s\); levels: \d+x\d+ \(TP 2\), \d+x\d+\n", out), out[:3000]
-    _assert_close_to_reference(tmp_path / "run", reference, 2e-4)
+    _assert_close_to_reference(tmp_path / "run", reference, abs=2e-4)
     assert list((tmp_path / "run" / "snapshots" / "level0" / "params").glob("*.rank1.pt"))
     # consolidation (what to-full writes) against the one-process run's own weights, read from
     # its ZeRO-0 module states: level 1 at DP=2 ZeRO-3, level 0 at TP=2 ZeRO-1
@@ -248,7 +255,7 @@ def test_bert_two_processes_tensor_parallel(bert_reference, corpus, tmp_path):
     _ok(launch(config, "--num_procs", 2))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert [p["level"] for p in summary["phases"]] == [0, 1, 0]
-    _assert_close_to_reference(tmp_path / "run", bert_reference, 2e-4)
+    _assert_close_to_reference(tmp_path / "run", bert_reference, abs=2e-4)
     valid = records(tmp_path / "run", "valid")
     assert valid[-1]["loss"] < valid[0]["loss"]
 
@@ -297,7 +304,7 @@ def test_two_nodes_on_localhost(reference, corpus, tmp_path):
     outputs = [p.communicate(timeout=600)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "on 2 rank(s)" in outputs[0]
-    _assert_close_to_reference(tmp_path / "run", reference, 2e-4)
+    _assert_close_to_reference(tmp_path / "run", reference, abs=2e-4)
 
 
 def test_default_command_runs_the_embedded_corpus(tmp_path):
