@@ -68,6 +68,18 @@ def quiet_library_notices() -> None:
             logger.addFilter(_DropNotice(start))
 
 
+def sequence_parallel_supported(kind: str) -> bool:
+    """Whether a model of ``kind`` ("gpt", "bert") can run sequence-parallel with what is installed:
+    GPT everywhere (``models.SequenceParallelTorchNorm`` stands in for Megatron's torch norm); BERT
+    only with Apex's fused norm, since Megatron's BERT LM head builds its norm itself and its torch
+    fallback rejects sequence parallelism."""
+    if kind == "gpt":
+        return True
+    from megatron.core.fusions.fused_layer_norm import HAVE_FUSED_LAYER_NORM
+
+    return bool(HAVE_FUSED_LAYER_NORM)
+
+
 def has_legacy_tokenizer() -> bool:
     """Whether Megatron-Core still ships ``MegatronLegacyTokenizer`` (up to 0.16)."""
     return megatron_core_version() < (0, 17)

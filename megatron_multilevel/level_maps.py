@@ -278,7 +278,7 @@ class LevelMap:
             raise ValueError(f"level map: expected keys {sorted(expected)}, got {got}")
         if data["format"] != FORMAT_VERSION:
             raise ValueError(f"level map: unsupported format {data['format']!r}")
-        from megatron_multilevel.config_parsing import parse_dataclass
+        from megatron_multilevel.config.parsing import parse_dataclass
 
         groupings = {}
         for name in ("hidden", "query_groups", "ffn", "layers"):
@@ -435,7 +435,7 @@ class LayerSelection:
         expected = {"format", "strategy", "fine", "parity", "residual_scale"}
         if not isinstance(data, dict) or set(data) != expected or data["strategy"] != "ode":
             raise ValueError(f"layer selection: expected keys {sorted(expected)} with strategy 'ode'")
-        from megatron_multilevel.config_parsing import parse_dataclass
+        from megatron_multilevel.config.parsing import parse_dataclass
 
         return cls(parse_dataclass(ModelConfig, data["fine"], "layer_selection.fine"), data["parity"],
                    data["residual_scale"])

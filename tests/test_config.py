@@ -66,22 +66,36 @@ def test_accepted_keys_are_frozen(cls):
     assert names == sorted(ACCEPTED[cls])
 
 
+def _config_modules():
+    """Every module of the config package, found by walking it (not from a list of files)."""
+    import importlib
+    import pkgutil
+
+    import megatron_multilevel.config as package
+
+    return [importlib.import_module(m.name) for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
+
+
 def test_every_field_has_a_docstring():
     import ast
     import inspect
 
-    import megatron_multilevel.config as module
-
-    tree = ast.parse(inspect.getsource(module))
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name in {c.__name__ for c in ACCEPTED}:
+    found = set()
+    for module in _config_modules():
+        tree = ast.parse(inspect.getsource(module))
+        for node in tree.body:
+            if not (isinstance(node, ast.ClassDef) and dataclasses.is_dataclass(getattr(module, node.name))):
+                continue
+            found.add(node.name)
             body = node.body
             for i, stmt in enumerate(body):
                 if isinstance(stmt, ast.AnnAssign):
                     nxt = body[i + 1] if i + 1 < len(body) else None
                     assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), (
-                        f"{node.name}.{stmt.target.id} has no docstring"
+                        f"{module.__name__}.{node.name}.{stmt.target.id} has no docstring"
                     )
+    # every block of the config package has its keys frozen above
+    assert found == {c.__name__ for c in ACCEPTED}
 
 
 def test_deepspeed_keys_pass_through():

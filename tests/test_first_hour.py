@@ -110,7 +110,7 @@ def test_optimizer_tables_match_deepspeed_and_torch():
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from megatron_multilevel.optimizers import CLASS_PARAMS, DEEPSPEED_TYPES, TORCH_TYPES
+    from megatron_multilevel.config.optimizers import CLASS_PARAMS, DEEPSPEED_TYPES, TORCH_TYPES
 
     assert sorted(t.lower() for t in DEEPSPEED_TYPES) == sorted(DEEPSPEED_OPTIMIZERS)
     torch_optimizers = {n for n, c in vars(torch.optim).items() if isinstance(c, type)

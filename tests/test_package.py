@@ -6,23 +6,72 @@ import megatron_multilevel
 PACKAGE = Path(megatron_multilevel.__file__).parent
 README = (PACKAGE.parent / "README.md").read_text()
 
-# Pure maths: these modules must not depend on torch.distributed, Megatron or DeepSpeed.
-PURE = ["operators.py", "ode_operators.py", "level_maps.py", "plan.py", "config.py", "config_parsing.py"]
+# The pure layer: operators on full tensors, the per-parameter plan and level maps, the config package,
+# the cycle's shape and the FLOPs accounting. They must not depend on torch.distributed, Megatron or
+# DeepSpeed, and neither may any module of the package they import, followed through the imports
+# themselves (not a list of files), so that the rule keeps holding as code moves.
+PURE = ["operators", "ode_operators", "level_maps", "plan", "config", "cycles", "flops"]
+FORBIDDEN = ("torch.distributed", "megatron.", "deepspeed")
 
 
-def _imports(path):
+def _module_file(name):
+    """The source file of a module of the package (``config`` is a folder), or None."""
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imports(path, *, top_level_only=False):
+    """The modules ``path`` imports: ``(module, names)`` per statement, at any depth unless
+    ``top_level_only`` (a deferred import inside a function runs only when it is called)."""
     tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    for node in nodes:
         if isinstance(node, ast.Import):
-            yield from (a.name for a in node.names)
+            yield from ((a.name, ()) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            yield node.module or ""
+            yield node.module or "", tuple(a.name for a in node.names)
+
+
+def _package_modules(module, names):
+    """The package's own modules that ``from module import names`` loads (its parent packages too)."""
+    if not module.startswith("megatron_multilevel"):
+        return []
+    parts = module.split(".")
+    found = [".".join(parts[:i]) for i in range(2, len(parts) + 1)]
+    found += [f"{module}.{n}" for n in names if _module_file(f"{module}.{n}") is not None]
+    return [m for m in found if _module_file(m) is not None]
+
+
+def _reached(root):
+    """Every module of the package that importing ``root`` may load, through any import statement."""
+    seen, todo = set(), [root]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for module, names in _imports(_module_file(name)):
+            todo.extend(_package_modules(module, names))
+    return seen
 
 
 def test_operators_are_pure():
-    for name in PURE:
-        for module in _imports(PACKAGE / name):
-            assert not module.startswith(("torch.distributed", "megatron.", "deepspeed")), (name, module)
+    for root in PURE:
+        root = f"megatron_multilevel.{root}"
+        assert _module_file(root) is not None, root
+        reached = _reached(root)
+        # the pure modules themselves (every module of a pure folder): no such import, not even deferred
+        own = [m for m in reached if m == root or m.startswith(root + ".")]
+        for name in own:
+            for module, _ in _imports(_module_file(name)):
+                assert not module.startswith(FORBIDDEN), (name, module)
+        # and nothing they import loads one when imported
+        for name in reached:
+            for module, _ in _imports(_module_file(name), top_level_only=True):
+                assert not module.startswith(FORBIDDEN), (root, "imports", name, "which imports", module)
 
 
 def test_public_api_is_listed_in_readme():

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from megatron_multilevel.config import ModelConfig
-from megatron_multilevel.config_parsing import parse_dataclass
+from megatron_multilevel.config.parsing import parse_dataclass
 
 META = "checkpoint.json"
 FORMATS = ("safetensors", "torch")

@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 
 from megatron_multilevel.config import ModelConfig
-from megatron_multilevel.config_parsing import parse_dataclass
+from megatron_multilevel.config.parsing import parse_dataclass
 
 # Logits of the same weights computed two ways agree to float rounding; anything above this is a
 # conversion error, not rounding.

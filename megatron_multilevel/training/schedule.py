@@ -20,11 +20,10 @@ moments; the learning-rate schedule restarts at every phase (the paper's choice)
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Optional
 
-from megatron_multilevel.config import LevelConfig, LRConfig, OdeConfig, RunConfig
-
-Arrival = Literal["fresh", "coalesce", "decoalesce", "grow", "restrict", "prolong", "continue"]
+from megatron_multilevel.config import LevelConfig, LRConfig, MultilevelConfig, OdeConfig, RunConfig
+from megatron_multilevel.cycles import Arrival, arrivals
 
 
 @dataclass(frozen=True)
@@ -95,16 +94,15 @@ def _continued(phases: list[Phase]) -> list[Phase]:
     return out
 
 
-def _cycle_phases(ml) -> list[Phase]:
+def _cycle_phases(ml: MultilevelConfig) -> list[Phase]:
     walk = ml.walk()
     coarsest = ml.num_levels - 1
-    phases, coalesced = [], set()
-    for i, level in enumerate(walk):
+    phases = []
+    for i, (level, arrival) in enumerate(zip(walk, arrivals(walk))):
         following = walk[i + 1] if i + 1 < len(walk) else None
         name = "coarsest" if level == coarsest else "before" if following == level + 1 else "after"
         visit = walk[:i].count(level)
         steps, lr = _visit_schedule(ml.levels[level], name, visit)
-        arrival = _arrival(walk[i - 1] if i else None, level, coalesced)
         phases.append(Phase(i, level, steps, lr, name, visit=visit, arrival=arrival))
     return phases
 
@@ -138,22 +136,6 @@ def _visit_schedule(lv: LevelConfig, name: str, visit: int) -> tuple[int, LRConf
     if name == "after":
         return lv.steps_after, lv.lr_after or lv.lr_before
     return lv.steps_before, lv.lr_before
-
-
-def _arrival(previous: "int | None", level: int, coalesced: set) -> Arrival:
-    """How the walk reaches ``level`` from ``previous``; ``coalesced`` holds the levels whose
-    model before coalescing is kept, and is updated."""
-    if previous is None:
-        return "fresh"
-    assert abs(previous - level) == 1, (previous, level)
-    if level > previous:
-        assert previous not in coalesced, f"level {previous} is coalesced twice without being rebuilt"
-        coalesced.add(previous)
-        return "coalesce"
-    if level in coalesced:
-        coalesced.remove(level)
-        return "decoalesce"
-    return "grow"
 
 
 def lr_factor(step: int, total: int, lr: LRConfig) -> float:

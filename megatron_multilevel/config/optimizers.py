@@ -8,6 +8,8 @@ not take surfaces as a traceback at the first engine, after the model and the da
 arguments; ``tests/test_first_hour.py`` keeps them equal to the installed DeepSpeed and torch.
 """
 
+from megatron_multilevel.config.deepspeed import deep_merge
+
 # The classes DeepSpeed may build, and the keyword arguments ``optimizer.params`` may pass to each
 # (the ones DeepSpeed passes itself left out).
 CLASS_PARAMS = {
@@ -133,16 +135,8 @@ def check_optimizers(cfg) -> None:
     ode = cfg.multilevel.ode
     if ode is not None and {"optimizer", "zero_optimization"} & set(ode.coarse_deepspeed):
         where = "multilevel.ode.coarse_deepspeed (merged into the top-level DeepSpeed keys): "
-        check_optimizer(_merge(cfg.deepspeed, ode.coarse_deepspeed), where=where)
+        check_optimizer(deep_merge(cfg.deepspeed, ode.coarse_deepspeed), where=where)
     for i, level in enumerate(cfg.multilevel.levels):
         if {"optimizer", "zero_optimization"} & set(level.deepspeed):
             where = f"multilevel.levels[{i}].deepspeed (merged into the top-level DeepSpeed keys): "
-            check_optimizer(_merge(cfg.deepspeed, level.deepspeed), where=where)
-
-
-def _merge(base: dict, override: dict) -> dict:
-    """``override`` deep-merged into ``base``, as the trainer merges a level's DeepSpeed keys."""
-    out = dict(base)
-    for key, value in override.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+            check_optimizer(deep_merge(cfg.deepspeed, level.deepspeed), where=where)

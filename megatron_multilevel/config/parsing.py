@@ -1,4 +1,4 @@
-"""Strict parsing of nested dataclasses from JSON-like dicts.
+"""Strict parsing of nested dataclasses from JSON-like dicts, and the small value checks the blocks share.
 
 Unknown keys, wrong types and invalid choices raise ``ValueError`` naming the full key path
 and the valid choices, before anything is built.
@@ -91,3 +91,15 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}
     return obj
+
+
+def check_positive(name: str, value: int) -> None:
+    """Raise a ValueError naming ``name`` if ``value`` is not a positive integer."""
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+
+
+def check_alpha(alpha: float, name: str = "alpha") -> None:
+    """Raise a ValueError naming ``name`` if the interpolation weight ``alpha`` is outside [0, 1]."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {alpha}")

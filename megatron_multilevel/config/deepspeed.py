@@ -1,0 +1,67 @@
+"""The DeepSpeed side of a run config: its top-level keys, ZeRO stages, the optimizer state the
+transitions carry, and the deep merge of a level's overrides.
+
+DeepSpeed silently ignores a top-level key it does not know (``"zero_optimisation"``), so every
+key of the file, and of every level's overrides, is checked against ``DEEPSPEED_KEYS``.
+"""
+
+import copy
+
+# Top-level keys of a DeepSpeed 0.19 config (runtime/config.py and the feature configs it reads).
+DEEPSPEED_KEYS = frozenset(
+    {
+        "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "checkpoint",
+        "comet", "comms_logger", "communication_data_type", "compile", "compression_training",
+        "csv_monitor", "curriculum_learning", "data_efficiency", "data_types",
+        "dataloader_drop_last", "disable_allgather", "dump_state", "eigenvalue", "elasticity",
+        "flops_profiler", "fp16", "gradient_accumulation_steps", "gradient_clipping",
+        "gradient_predivide_factor", "hybrid_engine", "memory_breakdown", "monitor_config",
+        "nebula", "optimizer", "pipeline", "prescale_gradients", "progressive_layer_drop",
+        "quantize_training", "scheduler", "seq_parallel_communication_data_type",
+        "sparse_attention", "sparse_gradients", "steps_per_print", "tensorboard",
+        "timers", "torch_autocast", "train_batch_size", "train_micro_batch_size_per_gpu",
+        "wall_clock_breakdown", "wandb", "weight_quantization", "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer", "zero_optimization", "gradient_allreduce_op",
+        "use_data_before_expert_parallelism", "disable_python_gc", "log_level",
+    }
+)
+ZERO_STAGES = (0, 1, 2, 3)
+
+# The optimizer state the transitions keep or map, by DeepSpeed optimizer type (lower case).
+OPTIMIZER_STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"),
+                        "sgd": ("momentum_buffer",)}
+# Their DeepSpeed spellings: the Adam types in any case, torch's SGD only as spelled.
+STATE_OPTIMIZERS = ("Adam", "AdamW", "SGD")
+
+
+def check_deepspeed_keys(keys, where: str) -> None:
+    """Raise a ValueError naming ``where`` if one of ``keys`` is not a DeepSpeed top-level key."""
+    unknown = sorted(set(keys) - DEEPSPEED_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown DeepSpeed key(s) {unknown}; valid keys are {sorted(DEEPSPEED_KEYS)}")
+
+
+def carries_optimizer_state(kind: str) -> bool:
+    """Whether the transitions know the state of DeepSpeed's ``optimizer.type`` ``kind``."""
+    return kind.lower() in ("adam", "adamw") or kind == "SGD"
+
+
+def optimizer_state_keys(deepspeed: dict) -> tuple[str, ...]:
+    """The optimizer state a transition can carry under a DeepSpeed config: Adam's moments, SGD's
+    momentum (none without momentum)."""
+    optimizer = deepspeed.get("optimizer", {"type": "AdamW"})
+    kind = optimizer.get("type", "AdamW").lower()
+    if kind == "sgd" and not optimizer.get("params", {}).get("momentum", 0.0):
+        return ()
+    return OPTIMIZER_STATE_KEYS[kind]
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """A copy of ``base`` with ``override`` merged in, nested objects key by key."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out

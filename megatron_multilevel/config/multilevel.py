@@ -1,0 +1,214 @@
+"""The ``multilevel`` block: the method, the operators' settings and the shape of the cycle over the
+levels, with each level's schedule (``levels``) or the ODE strategy's block (``ode``)."""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from megatron_multilevel.config.deepspeed import check_deepspeed_keys
+from megatron_multilevel.config.ode import OdeConfig
+from megatron_multilevel.config.parsing import check_alpha
+from megatron_multilevel.config.training import LRConfig
+from megatron_multilevel.cycles import visit_order
+
+STRATEGIES = ("coalesce", "ode")
+# MultilevelConfig keys that only the coalesce strategy reads (keep_fine and enabled serve both).
+COALESCE_ONLY_KEYS = ("num_levels", "coalesce_width", "coalesce_depth", "width_pairing", "depth_pairing",
+                      "depth_scaling", "alpha", "interpolation", "cycle", "levels", "optimizer_state",
+                      "perturbation_std")
+
+
+@dataclass
+class VisitConfig:
+    """The steps and schedule of one visit of a level in the cycle."""
+
+    steps: int = 0
+    """Steps trained in this visit."""
+    lr: LRConfig = field(default_factory=LRConfig)
+    """Schedule of those steps."""
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError(f"multilevel.levels[*].visits[*].steps must be >= 0, got {self.steps}")
+
+
+@dataclass
+class LevelConfig:
+    """One level of the cycle (level 0 is the fine model)."""
+
+    steps_before: int = 0
+    """Steps of every visit of this level that ends by coalescing it (the paper's ``E_a``), and
+    of every visit of the coarsest level."""
+    lr_before: LRConfig = field(default_factory=LRConfig)
+    """Schedule of the steps before coalescing (and of the coarsest level)."""
+    steps_after: int = 0
+    """Steps of every visit that ends by de-coalescing into the finer level, or ends the run
+    (0 for the coarsest level)."""
+    lr_after: Optional[LRConfig] = None
+    """Schedule of the steps after de-coalescing; null means ``lr_before``."""
+    visits: Optional[list[VisitConfig]] = None
+    """Steps and schedule of each visit of this level, in the order the cycle makes them, instead
+    of the rule above; one entry per visit (a W-cycle visits a level several times). Null: the rule."""
+    alpha: Optional[float] = None
+    """Interpolation weight when this level is rebuilt from the next; null means
+    ``multilevel.alpha``."""
+    tensor_model_parallel_size: Optional[int] = None
+    """Tensor-parallel size at this level; null means ``parallel.tensor_model_parallel_size``."""
+    deepspeed: dict = field(default_factory=dict)
+    """DeepSpeed keys overridden at this level (deep-merged), e.g. ``{"zero_optimization": {"stage": 3}}``."""
+
+    def __post_init__(self):
+        if self.steps_before < 0 or self.steps_after < 0:
+            raise ValueError("multilevel.levels[*].steps_before and steps_after must be >= 0")
+        if self.alpha is not None:
+            check_alpha(self.alpha, "multilevel.levels[*].alpha")
+        check_deepspeed_keys(self.deepspeed, "multilevel.levels[*].deepspeed")
+
+
+@dataclass
+class MultilevelConfig:
+    """The operators and the shape of the cycle over the levels."""
+
+    enabled: bool = False
+    """Run the cycle; false trains the fine model from scratch (the baseline)."""
+    strategy: Literal["coalesce", "ode"] = "coalesce"
+    """The multilevel method: ``coalesce`` (Zou et al.: coalesce, de-coalesce, interpolate; the keys
+    below) or ``ode`` (Lauga et al.: every other layer, the change written back; the ``ode`` block)."""
+    ode: Optional[OdeConfig] = None
+    """The ODE strategy's settings (only with ``strategy = "ode"``; null there means the defaults)."""
+    num_levels: int = 2
+    """Number of levels of the cycle, the fine model included (2 or more)."""
+    coalesce_width: bool = True
+    """Halve hidden size, heads, query groups and FFN width at each level."""
+    coalesce_depth: bool = True
+    """Halve the number of layers at each level."""
+    width_pairing: Literal["halves", "adjacent"] = "halves"
+    """Which units are grouped: ``j`` with ``j + n/2`` (the paper's ``[I/2, I/2]``), or ``2i`` with
+    ``2i+1``. Made local to each tensor-parallel shard when TP > 1."""
+    depth_pairing: Literal["adjacent", "halves"] = "adjacent"
+    """Which layers are averaged: ``(2i, 2i+1)`` (the paper) or ``(i, i + L/2)``."""
+    depth_scaling: Literal["none", "ode", "identity"] = "none"
+    """``ode``: treat each layer as an Euler step, so coalescing doubles and de-coalescing halves the
+    residual-branch outputs (attention and FFN output projections). ``identity``: coalesce as
+    ``ode`` (a coarse layer's residual branch is the sum of its pair's); de-coalescing copies the
+    coarse layer into the first layer of its pair and makes the second the identity (its residual
+    outputs zero, the rest copied): the de-coalesced model computes exactly the coarse model's
+    function (function-preserving growth, as Net2Net's deeper networks)."""
+    alpha: float = 0.5
+    """Interpolation weight of the de-coalesced model: ``(1 - alpha) * before + alpha * decoalesced``
+    (with ``interpolation = "correction"``: the step size of the coarse correction)."""
+    interpolation: Literal["blend", "correction"] = "blend"
+    """How a return to a finer level meets the model kept from before coalescing: ``blend`` (the
+    paper) takes ``(1 - alpha) * before + alpha * decoalesce(coarse)``; ``correction`` (the coarse-grid
+    correction of multigrid's full approximation scheme) adds the coarse model's change over its
+    visit, de-coalesced, to the model before: ``before + alpha * (decoalesce(coarse) -
+    decoalesce(coalesce(before)))``, so the fine model keeps what coalescing averages away (the
+    differences between the layers of a pair, between paired units) and a coarse visit that
+    changes nothing returns it exactly. Optimizer moments mapped back are blended either way.
+    Growing a level (nothing before it) is the same in both."""
+    cycle: Literal["v", "w", "f", "grow"] = "v"
+    """The walk over the levels (0 = fine). ``v``: the V-cycle, coalesce down from the fine model,
+    then back up (levels 0 1 0; 3 levels: 0 1 2 1 0). ``w``: the W-cycle (gamma 2): every level
+    but the coarsest trains three times, with a W-cycle of the coarser levels between each
+    (0 1 0 1 0; 3 levels: 0 1 2 1 2 1 0 1 2 1 2 1 0). ``f``: the F-cycle (full multigrid): the
+    coarsest level from a fresh initialisation, then each finer level in turn is grown into and a
+    V-cycle runs from it (1 0 1 0; 3 levels: 2 1 2 1 0 1 2 1 0). The first arrival at a level has
+    no model before coalescing to interpolate with, so it de-coalesces with alpha 1 (plus
+    ``perturbation_std`` noise) whatever ``alpha`` says, and AdamW starts afresh (with
+    ``optimizer_state = "map"``: from the coarse moments, de-coalesced); every later return
+    interpolates. ``grow``: only the way up, from a freshly initialised coarsest model
+    (growth methods such as progressive stacking: depth only, ``depth_pairing = "halves"``,
+    alpha 1)."""
+    levels: list[LevelConfig] = field(default_factory=list)
+    """Schedule per level, finest first; exactly ``num_levels`` entries when enabled."""
+    optimizer_state: Literal["reset", "map"] = "reset"
+    """At a transition, start the optimizer afresh (the paper) or map its state through the
+    operators (coalesced on the way down; de-coalesced and interpolated like the weights on the way
+    up, or only de-coalesced when a level is grown): AdamW's or Adam's moments, SGD's momentum (the
+    same optimizer at every level)."""
+    perturbation_std: float = 0.0
+    """Standard deviation of Gaussian noise added to every weight after de-coalescing and
+    interpolation, relative to that weight's own standard deviation (breaks the symmetry of
+    copied units; interpolation and dropout also do)."""
+    keep_fine: Literal["memory", "cpu", "disk"] = "memory"
+    """Where the fine model is kept for interpolation while coarser levels train: sharded on the
+    device, in host memory, or on disk under the run directory."""
+    lr_schedule: Literal["restart", "continue"] = "restart"
+    """``restart``: every phase runs its own schedule, warm-up and decay over its own steps (the
+    paper's choice). ``continue``: the run follows one schedule over all its steps, as training
+    from scratch does: the first phase's warm-up, then one decay to the end of the last phase; each
+    phase keeps its own peak (a coarse level's learning-rate factor), and the warm-up of a later
+    phase becomes a re-warm-up, a linear ramp to where the run's schedule stands. Every phase must
+    then name the same ``decay`` and ``min_ratio``. Both strategies."""
+
+    def __post_init__(self):
+        if self.strategy == "ode":
+            self._check_ode_keys()
+            return
+        if self.ode is not None:
+            raise ValueError(
+                "multilevel.ode is the ODE strategy's block; set multilevel.strategy = \"ode\" to use it, "
+                f"or remove it (multilevel.strategy is {self.strategy!r}; valid choices are {list(STRATEGIES)})"
+            )
+        if self.num_levels < 2:
+            raise ValueError(f"multilevel.num_levels must be >= 2, got {self.num_levels}")
+        if not (self.coalesce_width or self.coalesce_depth):
+            raise ValueError("multilevel: coalesce_width and coalesce_depth cannot both be false")
+        check_alpha(self.alpha, "multilevel.alpha")
+        if self.perturbation_std < 0:
+            raise ValueError(f"multilevel.perturbation_std must be >= 0, got {self.perturbation_std}")
+        if self.enabled:
+            if len(self.levels) != self.num_levels:
+                raise ValueError(
+                    f"multilevel.levels has {len(self.levels)} entries; multilevel.num_levels = "
+                    f"{self.num_levels} needs one per level, finest first"
+                )
+            if self.levels[-1].steps_after:
+                raise ValueError("multilevel.levels[-1].steps_after must be 0: the coarsest level trains steps_before")
+            self._check_visits()
+            if self.cycle == "grow":
+                for i, level in enumerate(self.levels[:-1]):
+                    if level.steps_before:
+                        raise ValueError(f"multilevel.levels[{i}].steps_before must be 0 with cycle 'grow'")
+                    if self.alpha_of(i) != 1.0:
+                        raise ValueError(
+                            f"multilevel: cycle 'grow' has no model before coalescing to interpolate with; "
+                            f"level {i} needs alpha 1.0, not {self.alpha_of(i)}"
+                        )
+
+    def _check_ode_keys(self) -> None:
+        defaults = MultilevelConfig()
+        given = [k for k in COALESCE_ONLY_KEYS if getattr(self, k) != getattr(defaults, k)]
+        if given:
+            raise ValueError(
+                f"multilevel: {', '.join(given)} belong(s) to the coalesce strategy and mean nothing with "
+                f"strategy 'ode'; remove them and set the ODE cycle in multilevel.ode (valid keys "
+                f"{sorted(f.name for f in dataclasses.fields(OdeConfig))})"
+            )
+        if self.ode is None:
+            self.ode = OdeConfig()
+
+    def _check_visits(self) -> None:
+        visits = self.walk()
+        for i, level in enumerate(self.levels):
+            if level.visits is not None and len(level.visits) != visits.count(i):
+                raise ValueError(
+                    f"multilevel.levels[{i}].visits has {len(level.visits)} entries; cycle {self.cycle!r} over "
+                    f"{self.num_levels} levels visits level {i} {visits.count(i)} time(s), one entry per visit"
+                )
+        coarsest = self.levels[-1]
+        if coarsest.visits is None and coarsest.steps_before <= 0:
+            raise ValueError("multilevel.levels[-1].steps_before must be positive")
+        for j, visit in enumerate(coarsest.visits or []):
+            if visit.steps <= 0:
+                raise ValueError(f"multilevel.levels[-1].visits[{j}].steps must be positive: every visit of the "
+                                 f"coarsest level trains")
+
+    def walk(self) -> list[int]:
+        """The level of every visit of the cycle, in order."""
+        return visit_order(self.cycle, self.num_levels)
+
+    def alpha_of(self, level: int) -> float:
+        """Interpolation weight when ``level`` is rebuilt from ``level + 1``."""
+        alpha = self.levels[level].alpha
+        return self.alpha if alpha is None else alpha

@@ -1,0 +1,88 @@
+"""The ``multilevel.ode`` block: the multilevel ODE strategy (Lauga et al. 2025)."""
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from megatron_multilevel.config.deepspeed import check_deepspeed_keys
+from megatron_multilevel.config.parsing import check_positive
+from megatron_multilevel.config.training import LRConfig
+
+RESIDUAL_SCALES = (1, 2)
+
+
+@dataclass
+class OdeConfig:
+    """The multilevel ODE strategy (Lauga et al. 2025): a coarse model of every other layer, taking
+    Euler steps twice as long, trained between fine phases; its change is written back."""
+
+    coarse: Literal["alternate", "even", "odd"] = "alternate"
+    """Which fine layers each coarse model keeps: ``even`` (0, 2, 4, ...), ``odd`` (1, 3, 5, ...), or
+    ``alternate``: even in the first cycle, odd in the second, and so on."""
+    residual_scale: int = 2
+    """The coarse step size, 1 or 2: the residual-branch outputs of a coarse layer (attention output
+    projection and second FFN linear, weight and bias) are multiplied by it on restriction and their
+    change is divided by it when written back."""
+    prolongation: Literal["correction", "constant", "linear"] = "correction"
+    """How the coarse change ``end - start`` is written back: ``correction`` adds each coarse layer's
+    change to its own fine layer (and the shared parameters' to theirs), the other layers untouched;
+    ``constant`` also adds it to the skipped layer of the same pair (``2i`` and ``2i + 1``);
+    ``linear`` gives each skipped layer the mean of its two neighbours' changes (the one at an end)."""
+    coherence: Literal["none", "first_order"] = "none"
+    """``first_order``: the MG/OPT tau correction. At restriction, on the first coarse batch,
+    ``v = R grad L_fine(theta) - grad L_coarse(R theta)`` is computed and added to every coarse
+    gradient of that coarse phase, so that the coarse gradient at the restricted point is the
+    restricted fine gradient (``R`` acts on gradients as on parameters). Its passes count in FLOPs."""
+    correction_scale: float = 1.0
+    """Step size on the written-back change."""
+    line_search: bool = False
+    """Backtracking on one fine batch (the first one after the coarse phase): while the fine loss with
+    the change written back is above the loss before the coarse phase, halve the change (3 times at
+    most, then drop it). Its forward passes count in FLOPs."""
+    optimizer_state: Literal["reset", "keep", "map"] = "reset"
+    """At every phase: a fresh optimizer (``reset``); the fine optimizer's state carried over and
+    kept across each coarse phase, the coarse one fresh (``keep``); or ``keep`` plus the state of the
+    selected layers and shared parameters carried into the coarse optimizer and back (``map``)."""
+    pre_steps: int = 10
+    """Fine steps before each coarse phase (pre-smoothing)."""
+    coarse_steps: int = 10
+    """Steps of each coarse phase."""
+    post_steps: int = 10
+    """Fine steps after each coarse phase (post-smoothing)."""
+    cycles: int = 1
+    """Number of (pre, coarse, post) cycles."""
+    final_steps: int = 0
+    """Fine steps after the last cycle."""
+    fine_lr: LRConfig = field(default_factory=LRConfig)
+    """Schedule of every pre- and post-smoothing phase."""
+    coarse_lr: LRConfig = field(default_factory=LRConfig)
+    """Schedule of every coarse phase."""
+    final_lr: Optional[LRConfig] = None
+    """Schedule of the final fine phase; null means ``fine_lr``."""
+    coarse_tensor_model_parallel_size: Optional[int] = None
+    """Tensor-parallel size of the coarse models (data parallelism takes the other ranks); null means
+    ``parallel.tensor_model_parallel_size``."""
+    coarse_deepspeed: dict = field(default_factory=dict)
+    """DeepSpeed keys overridden for the coarse models (deep-merged), e.g. ``{"zero_optimization": {"stage": 3}}``."""
+
+    def __post_init__(self):
+        if self.coarse_tensor_model_parallel_size is not None:
+            check_positive("multilevel.ode.coarse_tensor_model_parallel_size", self.coarse_tensor_model_parallel_size)
+        check_deepspeed_keys(self.coarse_deepspeed, "multilevel.ode.coarse_deepspeed")
+        if self.residual_scale not in RESIDUAL_SCALES:
+            raise ValueError(
+                f"multilevel.ode.residual_scale: invalid value {self.residual_scale!r}; "
+                f"valid choices are {list(RESIDUAL_SCALES)}"
+            )
+        if self.correction_scale <= 0:
+            raise ValueError(f"multilevel.ode.correction_scale must be positive, got {self.correction_scale}")
+        for name in ("pre_steps", "post_steps", "final_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"multilevel.ode.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("coarse_steps", "cycles"):
+            check_positive(f"multilevel.ode.{name}", getattr(self, name))
+
+    def parity(self, cycle: int) -> int:
+        """The layers the coarse model of ``cycle`` keeps: 0 even, 1 odd."""
+        if self.coarse == "alternate":
+            return cycle % 2
+        return 0 if self.coarse == "even" else 1

@@ -1,0 +1,60 @@
+"""The ``training`` block and the learning-rate schedule of a phase (``LRConfig``, used by every block
+that schedules steps)."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_multilevel.config.parsing import check_positive
+
+@dataclass
+class LRConfig:
+    """A learning-rate schedule for one phase of training (AdamW restarts at every phase)."""
+
+    peak: float = 1e-3
+    """Peak learning rate, reached after warm-up."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to ``peak``."""
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay from ``peak`` to ``peak * min_ratio`` over the rest of the phase."""
+    min_ratio: float = 0.1
+    """Final learning rate as a fraction of ``peak``."""
+
+    def __post_init__(self):
+        if self.peak <= 0:
+            raise ValueError(f"lr.peak must be positive, got {self.peak}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"lr.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_ratio <= 1.0:
+            raise ValueError(f"lr.min_ratio must be in [0, 1], got {self.min_ratio}")
+
+
+
+@dataclass
+class TrainingConfig:
+    """The training loop."""
+
+    seed: int = 1234
+    """Seed of initialisation, data order and noise."""
+    output_dir: str = "runs/default"
+    """Run directory: checkpoints, metrics, TensorBoard events, summary."""
+    train_steps: int = 600
+    """Steps of the fine model when ``multilevel.enabled`` is false (training from scratch)."""
+    lr: LRConfig = field(default_factory=LRConfig)
+    """Schedule when ``multilevel.enabled`` is false."""
+    log_interval: int = 10
+    """Steps between console lines and metric records."""
+    eval_interval: int = 50
+    """Steps between validation losses (and at the end of every phase)."""
+    eval_batches: int = 8
+    """Global batches of the held-out split per validation."""
+    save_interval: int = 100
+    """Steps between checkpoints (a checkpoint is also saved at every transition); 0: only those."""
+    keep_checkpoints: int = 2
+    """Periodic checkpoints kept besides the ones a resume may still need."""
+
+    def __post_init__(self):
+        for name in ("train_steps", "log_interval", "eval_interval", "eval_batches"):
+            check_positive(f"training.{name}", getattr(self, name))
+        if self.save_interval < 0 or self.keep_checkpoints < 1:
+            raise ValueError("training.save_interval must be >= 0 and training.keep_checkpoints >= 1")
+
