@@ -1,16 +1,20 @@
 """Build Megatron-Core ``GPTModel`` / ``BertModel`` from a :class:`ModelConfig`, at any level.
 
 Needs ``torch.distributed`` and Megatron's ``parallel_state`` to be initialised (see
-``megatron_multilevel.distributed``); the tensor-parallel size is read from there.
+``megatron_multilevel.distributed``); the tensor-parallel size is read from there. Whether the model
+runs sequence-parallel is an argument (``RunConfig.level_sequence_parallel`` resolves it per level);
+the layer spec is chosen here, with the norm that supports sequence parallelism where Megatron's
+local spec would build one that rejects it.
 """
 
+import dataclasses
 import functools
 import importlib.util
 
 import torch
 import torch.nn.functional as F
 
-from megatron_multilevel.config import ModelConfig
+from megatron_multilevel.config import ModelConfig, check_sequence_parallel_supported
 from megatron_multilevel.cpu_shims import apply_cpu_shims
 
 
@@ -40,14 +44,13 @@ def use_transformer_engine(cfg: ModelConfig) -> bool:
 
 
 def transformer_config(
-    cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32, perform_initialization: bool = True
+    cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32, perform_initialization: bool = True,
+    sequence_parallel: bool = False,
 ):
-    """Megatron's ``TransformerConfig`` for ``cfg`` on the current parallel layout (its TP size,
-    and sequence parallelism as ``parallel.sequence_parallel`` resolves at that size)."""
+    """Megatron's ``TransformerConfig`` for ``cfg`` on the current parallel layout (its TP size),
+    sequence-parallel or not."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_multilevel.parallel.sequence_parallel import sequence_parallel_active
 
     on_gpu = torch.cuda.is_available()
     return TransformerConfig(
@@ -66,7 +69,7 @@ def transformer_config(
         layernorm_epsilon=cfg.layernorm_epsilon,
         init_method_std=cfg.init_method_std,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        sequence_parallel=sequence_parallel_active(cfg.kind),
+        sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         perform_initialization=perform_initialization,
         bf16=params_dtype == torch.bfloat16,
@@ -85,22 +88,20 @@ def transformer_config(
 
 
 def build_model(
-    cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32, perform_initialization: bool = True
+    cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32, perform_initialization: bool = True,
+    sequence_parallel: bool = False,
 ) -> torch.nn.Module:
     """A Megatron-Core GPT or BERT model (pre- and post-process on this rank, no pipeline).
 
     ``perform_initialization=False`` skips the random init, for a model whose parameters are
     all about to be overwritten (a level built by a transition).
 
-    Under sequence parallelism, the parameters Megatron marks ``sequence_parallel`` get the hook
-    that sums their gradients over the tensor-parallel group (``parallel/sequence_parallel.py``)."""
-    from megatron_multilevel.parallel.sequence_parallel import register_sequence_parallel_grad_hooks
-
-    model = _build(cfg, params_dtype, perform_initialization)
+    ``sequence_parallel`` (at TP > 1) builds it sequence-parallel; to train it under DeepSpeed the
+    caller then adds the gradient hooks of ``parallel/sequence_parallel.py``, as ``LevelEngines``
+    does for every model it builds."""
+    model = _build(cfg, params_dtype, perform_initialization, sequence_parallel)
     if not perform_initialization:
         _set_tensor_parallel_attributes(model, cfg)
-    if model.config.sequence_parallel:
-        register_sequence_parallel_grad_hooks(model)
     return model
 
 
@@ -119,14 +120,11 @@ def _set_tensor_parallel_attributes(model: torch.nn.Module, cfg: ModelConfig) ->
             set_tensor_model_parallel_attributes(p, is_parallel=True, dim=dim, stride=1)
 
 
-def _build(cfg: ModelConfig, params_dtype: torch.dtype, perform_initialization: bool) -> torch.nn.Module:
-    from megatron_multilevel.parallel.sequence_parallel import (
-        check_sequence_parallel_supported,
-        local_spec_with_sequence_parallel_norms,
-    )
-
+def _build(cfg: ModelConfig, params_dtype: torch.dtype, perform_initialization: bool,
+           sequence_parallel: bool) -> torch.nn.Module:
     apply_cpu_shims()
-    config = transformer_config(cfg, params_dtype=params_dtype, perform_initialization=perform_initialization)
+    config = transformer_config(cfg, params_dtype=params_dtype, perform_initialization=perform_initialization,
+                                sequence_parallel=sequence_parallel)
     if config.sequence_parallel:
         check_sequence_parallel_supported(cfg.kind)
     te = use_transformer_engine(cfg)
@@ -171,6 +169,41 @@ def _build(cfg: ModelConfig, params_dtype: torch.dtype, perform_initialization: 
         position_embedding_type=cfg.position_embedding_type,
         add_binary_head=cfg.add_binary_head,
     )
+
+
+class SequenceParallelTorchNorm:
+    """Megatron's ``WrappedTorchNorm`` (torch ``LayerNorm`` / ``RMSNorm``, the local layer spec's
+    norm without Apex) that also runs under sequence parallelism: a norm acts on each token alone,
+    so on a sequence shard it is the same module; its parameters are marked ``sequence_parallel``
+    as Megatron's fused norms mark theirs. Parameter names stay ``weight`` / ``bias``."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+        return norm
+
+
+def local_spec_with_sequence_parallel_norms(layer_spec, num_layers: int):
+    """The block spec of ``num_layers`` layers of the local ``layer_spec`` and a final norm, with
+    :class:`SequenceParallelTorchNorm` wherever Megatron would build its torch norm."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    layer_spec = _replace_module(layer_spec, WrappedTorchNorm, SequenceParallelTorchNorm)
+    final_norm = SequenceParallelTorchNorm if LayerNormImpl is WrappedTorchNorm else LayerNormImpl
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=final_norm)
+
+
+def _replace_module(spec, old: type, new: type):
+    """``spec`` (a ModuleSpec, a submodules dataclass or a module class) with ``old`` replaced by ``new``."""
+    if spec is old:
+        return new
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: _replace_module(getattr(spec, f.name), old, new) for f in dataclasses.fields(spec)}
+        return dataclasses.replace(spec, **{k: v for k, v in changes.items() if v is not getattr(spec, k)})
+    return spec
 
 
 def load_parameters(model: torch.nn.Module, state_dict: dict) -> None:

@@ -286,7 +286,7 @@ def test_sgd_under_zero_with_deepspeed_s_switch():
 def test_ode_coarse_layout():
     """The coarse models' TP size and DeepSpeed overrides give level 1 its own layout and batch split;
     a TP size the world cannot hold is refused before anything is built, naming the key."""
-    from megatron_multilevel.parallel.transition import Layout
+    from megatron_multilevel.parallel.staging import Layout
     from megatron_multilevel.training.engines import LevelEngines
 
     layout = {"coarse_tensor_model_parallel_size": 1, "coarse_deepspeed": {"zero_optimization": {"stage": 3}}}

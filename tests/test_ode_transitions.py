@@ -9,6 +9,8 @@ of every layout are compared with the one-process run. The coarse model may run 
 than the fine one (TP size and ZeRO stage), as ``multilevel.ode.coarse_*`` sets it.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -126,7 +128,8 @@ def _case(case):
     from megatron_multilevel.parallel import coherence
     from megatron_multilevel.parallel.ode_transition import DEGREE, prolong, restrict
     from megatron_multilevel.parallel.streams import materialize_optimizer_state
-    from megatron_multilevel.parallel.transition import Layout, load_moments
+    from megatron_multilevel.parallel.staging import Layout, load_moments
+    from megatron_multilevel.training.engines import build_empty_model
 
     cfg = _model_config(case["kind"])
     sel = LayerSelection(cfg, case["parity"], RESIDUAL_SCALE)
@@ -147,8 +150,10 @@ def _case(case):
     with _CountCollectives() as counter:
         if keys:
             materialize_optimizer_state(fine.optimizer, keys)
-        staged, before = restrict(fine.module, sel, **layouts, ds_config=_ds_config(case, 1, coarse_layout.zero_stage),
-                                  optimizer=fine.optimizer, keys=keys, map_state=case["state"] == "map")
+        target = functools.partial(build_empty_model, sel.coarse, coarse_layout,
+                                   _ds_config(case, 1, coarse_layout.zero_stage))
+        staged, before = restrict(fine.module, sel, **layouts, build_target=target, optimizer=fine.optimizer,
+                                  keys=keys, map_state=case["state"] == "map")
     out["restrict_collectives"] = counter.count
     del fine
     coarse = _engine(staged.model, case, coarse_layout.zero_stage)
@@ -176,7 +181,9 @@ def _case(case):
 
     with counter:
         staged = prolong(coarse.module, before, sel, **layouts, prolongation=case["prolongation"],
-                         ds_config=_ds_config(case, 1, fine_layout.zero_stage), optimizer=coarse.optimizer,
+                         build_target=functools.partial(build_empty_model, sel.fine, fine_layout,
+                                                        _ds_config(case, 1, fine_layout.zero_stage)),
+                         optimizer=coarse.optimizer,
                          state=case["state"])
     out["collectives"] = counter.count
     del coarse

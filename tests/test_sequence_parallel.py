@@ -9,6 +9,8 @@ with sequence parallelism must also reproduce one process, and every model a tra
 must carry the parameter marks and the hooks.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -125,14 +127,17 @@ def _remove_hooks(module):
 
 def _train_case(case):
     from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
+    from megatron_multilevel.config import resolve_sequence_parallel
     from megatron_multilevel.models import build_model
-    from megatron_multilevel.parallel.sequence_parallel import set_sequence_parallel
+    from megatron_multilevel.parallel.sequence_parallel import register_sequence_parallel_grad_hooks
 
     cfg = _model_config(case["variant"])
-    set_sequence_parallel(case["sp"])
+    sequence_parallel = resolve_sequence_parallel(case["sp"], case["tp"], cfg.kind)
     set_tensor_model_parallel_size(case["tp"])
     set_seed(7)
-    model = build_model(cfg)
+    model = build_model(cfg, sequence_parallel=sequence_parallel)
+    if sequence_parallel:  # as LevelEngines does for every model it builds
+        register_sequence_parallel_grad_hooks(model)
     out = {"sp": model.config.sequence_parallel, "expected_marks": _expected_marks(model)}
     if case.get("no_hooks"):
         _remove_hooks(model)
@@ -189,27 +194,39 @@ def _transition_case(case):
     """Fine (one step) -> coarse (one step) -> fine (one step), as the V-cycle runs it."""
     from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
     from megatron_multilevel.level_maps import make_level_map
+    from megatron_multilevel.config import resolve_sequence_parallel
     from megatron_multilevel.models import build_model
-    from megatron_multilevel.parallel.sequence_parallel import set_sequence_parallel
-    from megatron_multilevel.parallel.transition import Layout, coarsen, prolong
+    from megatron_multilevel.parallel.sequence_parallel import register_sequence_parallel_grad_hooks
+    from megatron_multilevel.parallel.staging import Layout
+    from megatron_multilevel.parallel.transition import coarsen, prolong
+    from megatron_multilevel.training.engines import build_empty_model
 
     cfg = _model_config("gpt")
     fine_layout = Layout(case["fine_tp"], case["fine_stage"])
     coarse_layout = Layout(case["coarse_tp"], case["coarse_stage"])
     lm = make_level_map(cfg, tensor_model_parallel_size=2)
-    set_sequence_parallel(case["sp"])
+
+    def target(level_cfg, layout):  # as LevelEngines builds a transition's target
+        sp = resolve_sequence_parallel(case["sp"], layout.tensor_model_parallel_size, "gpt")
+        return functools.partial(build_empty_model, level_cfg, layout, _ds_config(layout.zero_stage, 1),
+                                 sequence_parallel=sp)
+
     set_tensor_model_parallel_size(fine_layout.tensor_model_parallel_size)
     set_seed(7)
-    fine = _engine(build_model(cfg), fine_layout.zero_stage)
+    fine_sp = resolve_sequence_parallel(case["sp"], fine_layout.tensor_model_parallel_size, "gpt")
+    model = build_model(cfg, sequence_parallel=fine_sp)
+    if fine_sp:
+        register_sequence_parallel_grad_hooks(model)
+    fine = _engine(model, fine_layout.zero_stage)
     losses = [_train_step(fine, cfg, seed=1)]
     staged, before = coarsen(fine.module, lm, fine_layout=fine_layout, coarse_layout=coarse_layout,
-                             ds_config=_ds_config(coarse_layout.zero_stage, 1))
+                             build_target=target(lm.coarse, coarse_layout))
     del fine
     coarse = _engine(staged.model, coarse_layout.zero_stage)
     marks = {"coarse": (_marks(coarse.module), _expected_marks(coarse.module), coarse.module.config.sequence_parallel)}
     losses.append(_train_step(coarse, lm.coarse, seed=2))
     staged = prolong(coarse.module, before, lm, ALPHA, coarse_layout=coarse_layout, fine_layout=fine_layout,
-                     ds_config=_ds_config(fine_layout.zero_stage, 1))
+                     build_target=target(lm.fine, fine_layout))
     del coarse
     fine = _engine(staged.model, fine_layout.zero_stage)
     marks["fine"] = (_marks(fine.module), _expected_marks(fine.module), fine.module.config.sequence_parallel)

@@ -1,5 +1,7 @@
 """The tensor-parallel layout derived from the plan, and transitions in one process."""
 
+import functools
+
 import pytest
 import torch
 
@@ -8,8 +10,10 @@ from megatron_multilevel.level_maps import make_level_map
 from megatron_multilevel.models import build_model, load_parameters, parameter_state_dict
 from megatron_multilevel.operators import coalesce, decoalesce
 from megatron_multilevel.parallel.tp_layout import partition_dim, shard, unshard
-from megatron_multilevel.parallel.transition import Layout, coarsen, prolong
+from megatron_multilevel.parallel.staging import Layout
+from megatron_multilevel.parallel.transition import coarsen, prolong
 from megatron_multilevel.plan import parameter_plan
+from megatron_multilevel.training.engines import build_empty_model
 
 pytestmark = pytest.mark.usefixtures("dist_single")
 
@@ -61,9 +65,15 @@ def test_layout_that_cannot_hold_the_level():
     before = {k: v.clone() for k, v in parameter_state_dict(model).items()}
     # a layout that does not fit is refused before anything is built or touched
     with pytest.raises(ValueError, match="coarse level layout: .*tensor_model_parallel_size = 4"):
-        coarsen(model, lm, fine_layout=Layout(1, 0), coarse_layout=Layout(4, 0))
+        coarsen(model, lm, fine_layout=Layout(1, 0), coarse_layout=Layout(4, 0),
+                build_target=functools.partial(build_empty_model, lm.coarse, Layout(4, 0)))
     after = parameter_state_dict(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _target(cfg):
+    """The ``build_target`` of a one-process transition into a model of ``cfg``."""
+    return functools.partial(build_empty_model, cfg, Layout())
 
 
 @pytest.mark.parametrize("keep", ["memory", "cpu", "disk"])
@@ -73,7 +83,8 @@ def test_single_process_transition_matches_operators(keep, tmp_path):
     fine = build_model(cfg)
     load_parameters(fine, random_state_dict(cfg, seed=3))
     fine_sd = {k: v.clone() for k, v in parameter_state_dict(fine).items()}
-    staged, before = coarsen(fine, lm, fine_layout=Layout(), coarse_layout=Layout(), keep=keep, keep_dir=str(tmp_path))
+    staged, before = coarsen(fine, lm, fine_layout=Layout(), coarse_layout=Layout(), build_target=_target(lm.coarse),
+                             keep=keep, keep_dir=str(tmp_path))
     coarse_sd = parameter_state_dict(staged.model)
     expected = coalesce(fine_sd, lm)
     assert all(torch.equal(coarse_sd[k], expected[k]) for k in expected)
@@ -84,7 +95,8 @@ def test_single_process_transition_matches_operators(keep, tmp_path):
             p.add_(0.01)
     coarse_sd = {k: v.clone() for k, v in parameter_state_dict(staged.model).items()}
     # alpha 0.3, not 0.5: the two directions of the interpolation differ by more than rounding
-    fine_again = prolong(staged.model, before, lm, 0.3, coarse_layout=Layout(), fine_layout=Layout())
+    fine_again = prolong(staged.model, before, lm, 0.3, coarse_layout=Layout(), fine_layout=Layout(),
+                         build_target=_target(lm.fine))
     decoalesced = decoalesce(coarse_sd, lm)
     got = parameter_state_dict(fine_again.model)
     assert got.keys() == decoalesced.keys()
@@ -92,7 +104,8 @@ def test_single_process_transition_matches_operators(keep, tmp_path):
         torch.testing.assert_close(got[k], 0.7 * fine_sd[k] + 0.3 * t, msg=k)
     carried_none = r"moments \['exp_avg'\] need the fine level's, kept only for those coarsen carried \(\[\]\)"
     with pytest.raises(ValueError, match=carried_none):
-        prolong(staged.model, before, lm, 0.5, coarse_layout=Layout(), fine_layout=Layout(), moments=("exp_avg",))
+        prolong(staged.model, before, lm, 0.5, coarse_layout=Layout(), fine_layout=Layout(), build_target=_target(lm.fine),
+                moments=("exp_avg",))
 
 
 def test_uninitialised_models_carry_tensor_parallel_attributes():
@@ -111,10 +124,10 @@ def test_growing_prolongs_without_a_model_before():
     coarse = build_model(lm.coarse)
     load_parameters(coarse, random_state_dict(lm.coarse, seed=9))
     coarse_sd = parameter_state_dict(coarse)
-    grown = prolong(coarse, None, lm, 1.0, coarse_layout=Layout(), fine_layout=Layout())
+    grown = prolong(coarse, None, lm, 1.0, coarse_layout=Layout(), fine_layout=Layout(), build_target=_target(lm.fine))
     got = parameter_state_dict(grown.model)
     for j in range(4):  # fine layer j copies coarse layer j mod 2
         name = "mlp.linear_fc1.weight"
         assert torch.equal(got[f"decoder.layers.{j}.{name}"], coarse_sd[f"decoder.layers.{j % 2}.{name}"])
     with pytest.raises(ValueError, match="alpha 0.5 interpolates with the model before coalescing"):
-        prolong(coarse, None, lm, 0.5, coarse_layout=Layout(), fine_layout=Layout())
+        prolong(coarse, None, lm, 0.5, coarse_layout=Layout(), fine_layout=Layout(), build_target=_target(lm.fine))

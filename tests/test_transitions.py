@@ -9,6 +9,8 @@ layout are then compared with the one-process run, from what each rank computed 
 own (its loss before any reduction, its parameters), so that a rank that diverges is caught.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -208,7 +210,9 @@ def _case(case):
     from megatron_multilevel.level_maps import make_level_map
     from megatron_multilevel.models import build_model
     from megatron_multilevel.operators import coalesce, correct_model, decoalesce, interpolate
-    from megatron_multilevel.parallel.transition import Layout, coarsen, load_moments, prolong
+    from megatron_multilevel.parallel.staging import Layout, load_moments
+    from megatron_multilevel.parallel.transition import coarsen, prolong
+    from megatron_multilevel.training.engines import build_empty_model
 
     cfg = _model_config(case["variant"])
     fine_layout = Layout(case["fine_tp"], case["fine_stage"])
@@ -231,7 +235,9 @@ def _case(case):
     with _CountCollectives() as counter:
         staged, before = coarsen(
             fine.module, lm, fine_layout=fine_layout, coarse_layout=coarse_layout,
-            ds_config=_ds_config(coarse_layout.zero_stage, 1, opt), optimizer=fine.optimizer,
+            build_target=functools.partial(build_empty_model, lm.coarse, coarse_layout,
+                                           _ds_config(coarse_layout.zero_stage, 1, opt)),
+            optimizer=fine.optimizer,
             moments=moments, keep=case["keep"], keep_dir=case.get("keep_dir"),
         )
     del fine
@@ -247,7 +253,9 @@ def _case(case):
     with counter:
         staged = prolong(
             coarse.module, before, lm, ALPHA, coarse_layout=coarse_layout, fine_layout=fine_layout,
-            ds_config=_ds_config(fine_layout.zero_stage, 1, opt), optimizer=coarse.optimizer,
+            build_target=functools.partial(build_empty_model, lm.fine, fine_layout,
+                                           _ds_config(fine_layout.zero_stage, 1, opt)),
+            optimizer=coarse.optimizer,
             moments=moments, correction=case.get("correction", False),
         )
     out["collectives"], out["largest"] = counter.count, counter.largest
@@ -422,7 +430,9 @@ def _grow_worker(rank, world, layouts, depth_scaling="none"):
     from megatron_multilevel.operators import decoalesce
     from megatron_multilevel.level_maps import make_level_map
     from megatron_multilevel.parallel.streams import _inner_torch_optimizer
-    from megatron_multilevel.parallel.transition import Layout, load_moments, prolong
+    from megatron_multilevel.parallel.staging import Layout, load_moments
+    from megatron_multilevel.parallel.transition import prolong
+    from megatron_multilevel.training.engines import build_empty_model
 
     out = []
     for coarse_tp, coarse_stage, fine_tp, fine_stage in layouts:
@@ -434,7 +444,9 @@ def _grow_worker(rank, world, layouts, depth_scaling="none"):
         losses = [_train_step(coarse, lm.coarse, seed=1), _train_step(coarse, lm.coarse, seed=2)]
         moments = {k: _reference_gather(coarse, lm.coarse, k) for k in (None, "exp_avg", "exp_avg_sq")}
         staged = prolong(coarse.module, None, lm, 1.0, coarse_layout=Layout(coarse_tp, coarse_stage),
-                         fine_layout=Layout(fine_tp, fine_stage), ds_config=_ds_config(fine_stage, 1),
+                         fine_layout=Layout(fine_tp, fine_stage),
+                         build_target=functools.partial(build_empty_model, lm.fine, Layout(fine_tp, fine_stage),
+                                                        _ds_config(fine_stage, 1)),
                          optimizer=coarse.optimizer, moments=STATE["adamw"])
         del coarse
         fine = _engine(staged.model, fine_stage)
@@ -483,7 +495,9 @@ def _perturbed_prolong_worker(rank, world, tp):
     from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
     from megatron_multilevel.level_maps import make_level_map
     from megatron_multilevel.models import build_model
-    from megatron_multilevel.parallel.transition import Layout, coarsen, prolong
+    from megatron_multilevel.parallel.staging import Layout
+    from megatron_multilevel.parallel.transition import coarsen, prolong
+    from megatron_multilevel.training.engines import build_empty_model
 
     cfg = _model_config("gpt")
     lm = make_level_map(cfg, tensor_model_parallel_size=2, coarse_tensor_model_parallel_size=2)
@@ -491,9 +505,10 @@ def _perturbed_prolong_worker(rank, world, tp):
     set_tensor_model_parallel_size(tp)
     set_seed(7)
     staged, before = coarsen(build_model(cfg), lm, fine_layout=layout, coarse_layout=layout,
-                             ds_config=_ds_config(0, 1))
+                             build_target=functools.partial(build_empty_model, lm.coarse, layout))
     staged = prolong(staged.model, before, lm, ALPHA, coarse_layout=layout, fine_layout=layout,
-                     ds_config=_ds_config(0, 1), perturbation_std=0.01, seed=3)
+                     build_target=functools.partial(build_empty_model, lm.fine, layout), perturbation_std=0.01,
+                     seed=3)
     return _reference_gather(_engine(staged.model, 0), cfg)
 
 

@@ -20,6 +20,7 @@ rank's share of the model, one layer in full, and the word embedding in full.
 
 import argparse
 import ctypes
+import functools
 import gc
 import os
 import sys
@@ -69,6 +70,7 @@ def run_path(name, cfg, fine_layout, coarse_layout, repeats):
     from megatron_multilevel.models import build_model
     from megatron_multilevel.parallel.mpu import mpu
     from megatron_multilevel.parallel.transition import coarsen, prolong
+    from megatron_multilevel.training.engines import build_empty_model
 
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -116,14 +118,16 @@ def run_path(name, cfg, fine_layout, coarse_layout, repeats):
         dist.barrier()
         base = reset_peak()
         t0 = time.perf_counter()
-        staged, before = coarsen(engine.module, lm, fine_layout=fine_layout, coarse_layout=coarse_layout, ds_config=ds_config)
+        staged, before = coarsen(engine.module, lm, fine_layout=fine_layout, coarse_layout=coarse_layout,
+                                 build_target=functools.partial(build_empty_model, lm.coarse, coarse_layout, ds_config))
         t_coarsen = time.perf_counter() - t0
         peak_coarsen = rss_bytes("VmHWM") - base
         coarse_model = staged.model
         dist.barrier()
         base = reset_peak()
         t0 = time.perf_counter()
-        fine = prolong(coarse_model, before, lm, 0.5, coarse_layout=coarse_layout, fine_layout=fine_layout, ds_config=ds_config)
+        fine = prolong(coarse_model, before, lm, 0.5, coarse_layout=coarse_layout, fine_layout=fine_layout,
+                       build_target=functools.partial(build_empty_model, lm.fine, fine_layout, ds_config))
         t_prolong = time.perf_counter() - t0
         peak_prolong = rss_bytes("VmHWM") - base
         # The transient part: the peak beyond what the transition leaves (the new model; coarsening also
@@ -163,7 +167,7 @@ PATHS = {
 
 def worker(rank, world, args):
     from megatron_multilevel.config import ModelConfig
-    from megatron_multilevel.parallel.transition import Layout
+    from megatron_multilevel.parallel.staging import Layout
 
     results = []
     for vocab in args.vocab:

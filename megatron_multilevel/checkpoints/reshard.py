@@ -38,7 +38,7 @@ def _rank_worker(rank, world, config_dict, out, items, tokens):
     """Write every item's tensors in the new layout and save it; return the latest's logits as the
     trainer would see them after loading."""
     from megatron_multilevel.parallel.streams import Groups, ModelWriter, TensorsReader
-    from megatron_multilevel.parallel.transition import _copy_stream
+    from megatron_multilevel.parallel.staging import copy_stream
     from megatron_multilevel.training import checkpoint
     from megatron_multilevel.training.engines import LevelEngines
     from megatron_multilevel.training.schedule import build_phases
@@ -52,7 +52,7 @@ def _rank_worker(rank, world, config_dict, out, items, tokens):
         phase = phases[state.phase]
         model_cfg = levels.models[phase.level]
         model = levels.build_empty_model(phase.level)
-        _copy_stream(TensorsReader(item["tensors"], model_cfg), ModelWriter(model, model_cfg, Groups.current()),
+        copy_stream(TensorsReader(item["tensors"], model_cfg), ModelWriter(model, model_cfg, Groups.current()),
                      model_cfg.num_layers)
         engine = levels.engine(model, phase.level, phase.lr.peak, phase.lr_factor)
         engine.lr_scheduler.last_epoch = state.step - 1

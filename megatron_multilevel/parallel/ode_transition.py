@@ -2,11 +2,12 @@
 
 ``restrict`` builds the coarse model (every other layer, residual-branch outputs scaled) from the
 fine one, and keeps the fine model as it was (with its optimizer state when that is kept or
-mapped) in a :class:`~megatron_multilevel.parallel.transition.FineSnapshot`, as ``coarsen`` does.
+mapped) in a :class:`~megatron_multilevel.parallel.staging.FineSnapshot`, as ``coarsen`` does.
 ``prolong`` builds the fine model again: the snapshot plus the prolonged coarse change, the coarse
 start being recomputed from the snapshot (what the restriction wrote). ``carry`` builds the same
-level's model again for a new phase. Each returns a model ready for ``deepspeed.initialize`` and
-optimizer state staged for :func:`~megatron_multilevel.parallel.transition.load_moments`.
+level's model again for a new phase. Each is handed a builder of its target model
+(``build_target``) and returns that model filled, ready for ``deepspeed.initialize``, with optimizer
+state staged for :func:`~megatron_multilevel.parallel.staging.load_moments`.
 
 The layer selection maps every tensor on its own, so when both models have the same tensor-parallel
 size each rank maps its own shards with no communication (``shard_local``); under ZeRO-3 parameters
@@ -18,7 +19,7 @@ parameter at a time, and snapshots hold full tensors partitioned over all ranks,
 general path does.
 """
 
-from typing import Literal, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,17 +34,17 @@ from megatron_multilevel.ode_operators import (
     restrict_layer,
     unrestrict_layer,
 )
-from megatron_multilevel.parallel.streams import Groups, ModelReader, ModelWriter, Snapshot, Storage
-from megatron_multilevel.parallel.tp_layout import partition_dim, shard, unshard
-from megatron_multilevel.parallel.transition import (
+from megatron_multilevel.parallel.staging import (
     FineSnapshot,
     Layout,
     Staged,
-    _optimizer_step,
-    _build_target,
-    _copy_stream,
-    _snapshot_group,
+    check_layouts,
+    copy_stream,
+    optimizer_step,
+    snapshot_group,
 )
+from megatron_multilevel.parallel.streams import Groups, ModelReader, ModelWriter, Snapshot, Storage
+from megatron_multilevel.parallel.tp_layout import partition_dim, shard, unshard
 from megatron_multilevel.plan import parameter_plan
 
 OptimizerState = Literal["reset", "keep", "map"]
@@ -57,15 +58,9 @@ def shard_local(fine_layout: Layout, coarse_layout: Layout) -> bool:
     return fine_layout.tensor_model_parallel_size == coarse_layout.tensor_model_parallel_size
 
 
-def _check_layouts(selection: LayerSelection, fine_layout: Layout, coarse_layout: Layout) -> None:
-    world = dist.get_world_size()
-    fine_layout.check(selection.fine, world, "fine model layout")
-    coarse_layout.check(selection.coarse, world, "coarse model layout")
-
-
 def _snapshot(kind: str, local: bool, keep: Storage, keep_dir: Optional[str]) -> Snapshot:
     directory = None if keep_dir is None else f"{keep_dir}/{kind}"
-    return Snapshot(_snapshot_group(local), storage=keep, directory=directory)
+    return Snapshot(snapshot_group(local), storage=keep, directory=directory)
 
 
 def _reader(module, cfg: ModelConfig, groups: Groups, local: bool, optimizer=None, key=None) -> ModelReader:
@@ -73,7 +68,7 @@ def _reader(module, cfg: ModelConfig, groups: Groups, local: bool, optimizer=Non
 
 
 def restrict(fine_module: torch.nn.Module, selection: LayerSelection, *, fine_layout: Layout, coarse_layout: Layout,
-             ds_config: Optional[dict] = None, optimizer=None, keys: Sequence[str] = (),
+             build_target: Callable[[], torch.nn.Module], optimizer=None, keys: Sequence[str] = (),
              map_state: bool = False, keep: Storage = "memory", keep_dir: Optional[str] = None
              ) -> tuple[Staged, FineSnapshot]:
     """Build the coarse model of ``selection`` in ``coarse_layout`` from the fine model (which runs in
@@ -82,11 +77,11 @@ def restrict(fine_module: torch.nn.Module, selection: LayerSelection, *, fine_la
     ``keys`` name the optimizer state (of ``optimizer``, the fine engine's) kept in the snapshot;
     with ``map_state`` it is also restricted and staged for the coarse optimizer.
     """
-    _check_layouts(selection, fine_layout, coarse_layout)
+    check_layouts(selection.fine, selection.coarse, fine_layout, coarse_layout, what="model")
     local = shard_local(fine_layout, coarse_layout)
     fine_groups = Groups.current()  # captured before the coarse model's layout replaces it
-    before = FineSnapshot(_snapshot("params", local, keep, keep_dir), step=_optimizer_step(optimizer) if keys else 0)
-    coarse_model = _build_target(selection.coarse, coarse_layout, ds_config)
+    before = FineSnapshot(_snapshot("params", local, keep, keep_dir), step=optimizer_step(optimizer) if keys else 0)
+    coarse_model = build_target()
     writer = ModelWriter(coarse_model, selection.coarse, Groups.current(), local=local)
     _restrict_stream(_reader(fine_module, selection.fine, fine_groups, local), writer, selection, tee=before.params)
     staged = Staged(coarse_model, selection.coarse, local, step=before.step)
@@ -94,16 +89,16 @@ def restrict(fine_module: torch.nn.Module, selection: LayerSelection, *, fine_la
         before.moments[key] = _snapshot(key, local, keep, keep_dir)
         reader = _reader(fine_module, selection.fine, fine_groups, local, optimizer, key)
         if map_state:
-            staged.moments[key] = Snapshot(_snapshot_group(local))
+            staged.moments[key] = Snapshot(snapshot_group(local))
             _restrict_stream(reader, staged.moments[key], selection, tee=before.moments[key], degree=DEGREE[key])
         else:
-            _copy_stream(reader, before.moments[key], selection.fine.num_layers)
+            copy_stream(reader, before.moments[key], selection.fine.num_layers)
     return staged, before
 
 
 def prolong(coarse_module: torch.nn.Module, before: FineSnapshot, selection: LayerSelection, *,
             fine_layout: Layout, coarse_layout: Layout, prolongation: Prolongation = "correction",
-            correction_scale: float = 1.0, ds_config: Optional[dict] = None, optimizer=None,
+            correction_scale: float = 1.0, build_target: Callable[[], torch.nn.Module], optimizer=None,
             state: OptimizerState = "reset", coarse_groups: Optional[Groups] = None) -> Staged:
     """Build the fine model again, in ``fine_layout``: ``before`` plus the prolonged change of the
     coarse model (which runs in ``coarse_layout``).
@@ -114,10 +109,10 @@ def prolong(coarse_module: torch.nn.Module, before: FineSnapshot, selection: Lay
     the current one; a caller that prolongs the same coarse model again (the line search) captures it
     before the first call, which sets up the fine layout.
     """
-    _check_layouts(selection, fine_layout, coarse_layout)
+    check_layouts(selection.fine, selection.coarse, fine_layout, coarse_layout, what="model")
     local = shard_local(fine_layout, coarse_layout)
     coarse_groups = coarse_groups or Groups.current()
-    fine_model = _build_target(selection.fine, fine_layout, ds_config)
+    fine_model = build_target()
     writer = ModelWriter(fine_model, selection.fine, Groups.current(), local=local)
     _prolong_stream(_reader(coarse_module, selection.coarse, coarse_groups, local), before.params, writer, selection,
                     prolongation, correction_scale)
@@ -125,25 +120,25 @@ def prolong(coarse_module: torch.nn.Module, before: FineSnapshot, selection: Lay
         return Staged(fine_model, selection.fine, local)
     if state == "keep":
         return Staged(fine_model, selection.fine, local, moments=dict(before.moments), step=before.step)
-    staged = Staged(fine_model, selection.fine, local, step=_optimizer_step(optimizer))
+    staged = Staged(fine_model, selection.fine, local, step=optimizer_step(optimizer))
     for key, kept in before.moments.items():
-        staged.moments[key] = Snapshot(_snapshot_group(local))
+        staged.moments[key] = Snapshot(snapshot_group(local))
         _map_back_stream(_reader(coarse_module, selection.coarse, coarse_groups, local, optimizer, key), kept,
                          staged.moments[key], selection, DEGREE[key])
     return staged
 
 
-def carry(module: torch.nn.Module, cfg: ModelConfig, *, layout: Layout, ds_config: Optional[dict] = None,
+def carry(module: torch.nn.Module, cfg: ModelConfig, *, build_target: Callable[[], torch.nn.Module],
           optimizer=None, keys: Sequence[str] = ()) -> Staged:
     """The same level's model again (same layout), for a new phase; with ``keys``, its optimizer
     state too."""
     groups = Groups.current()
-    model = _build_target(cfg, layout, ds_config)
-    _copy_stream(_reader(module, cfg, groups, True), ModelWriter(model, cfg, groups, local=True), cfg.num_layers)
-    staged = Staged(model, cfg, True, step=_optimizer_step(optimizer) if keys else 0)
+    model = build_target()
+    copy_stream(_reader(module, cfg, groups, True), ModelWriter(model, cfg, groups, local=True), cfg.num_layers)
+    staged = Staged(model, cfg, True, step=optimizer_step(optimizer) if keys else 0)
     for key in keys:
-        staged.moments[key] = Snapshot(_snapshot_group(True))
-        _copy_stream(_reader(module, cfg, groups, True, optimizer, key), staged.moments[key], cfg.num_layers)
+        staged.moments[key] = Snapshot(snapshot_group(True))
+        copy_stream(_reader(module, cfg, groups, True, optimizer, key), staged.moments[key], cfg.num_layers)
     return staged
 
 
@@ -152,14 +147,14 @@ def snapshot_fine(module: torch.nn.Module, selection: LayerSelection, *, fine_la
                   keep_dir: Optional[str] = None) -> FineSnapshot:
     """The snapshot ``restrict`` keeps, taken again from a fine model in ``fine_layout`` (a resumed
     run's checkpoint of the phase before the coarse one)."""
-    _check_layouts(selection, fine_layout, coarse_layout)
+    check_layouts(selection.fine, selection.coarse, fine_layout, coarse_layout, what="model")
     local = shard_local(fine_layout, coarse_layout)
     cfg, groups = selection.fine, Groups.current()
-    before = FineSnapshot(_snapshot("params", local, keep, keep_dir), step=_optimizer_step(optimizer) if keys else 0)
-    _copy_stream(_reader(module, cfg, groups, local), before.params, cfg.num_layers)
+    before = FineSnapshot(_snapshot("params", local, keep, keep_dir), step=optimizer_step(optimizer) if keys else 0)
+    copy_stream(_reader(module, cfg, groups, local), before.params, cfg.num_layers)
     for key in keys:
         before.moments[key] = _snapshot(key, local, keep, keep_dir)
-        _copy_stream(_reader(module, cfg, groups, local, optimizer, key), before.moments[key], cfg.num_layers)
+        copy_stream(_reader(module, cfg, groups, local, optimizer, key), before.moments[key], cfg.num_layers)
     return before
 
 

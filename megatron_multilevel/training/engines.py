@@ -4,32 +4,26 @@ The global batch stays the same at every level; when a level changes its tensor-
 its data-parallel size and micro-batch follow.
 """
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-from megatron_multilevel.config import (
-    STATE_OPTIMIZERS,
-    ModelConfig,
-    RunConfig,
-    carries_optimizer_state,
-    optimizer_state_keys,
-)
-from megatron_multilevel.parallel.transition import Layout
+from megatron_multilevel.config import ModelConfig, RunConfig, optimizer_state_keys
+from megatron_multilevel.distributed import set_tensor_model_parallel_size
+from megatron_multilevel.models import build_model
+from megatron_multilevel.parallel.sequence_parallel import register_sequence_parallel_grad_hooks
+from megatron_multilevel.parallel.staging import Layout
 
 
 class LevelEngines:
     """Builds the DeepSpeed config, layout and engine of any level of a run."""
 
     def __init__(self, cfg: RunConfig, world_size: int):
-        from megatron_multilevel.parallel.sequence_parallel import set_sequence_parallel
-
         self.cfg = cfg
-        # Every model built from now on, transitions included, resolves it at its level's TP size.
-        set_sequence_parallel(cfg.parallel.sequence_parallel)
         self.world_size = world_size
         self.models = cfg.level_models()
         self.tp_sizes = cfg.level_tp_sizes()
+        self.sequence_parallel = cfg.level_sequence_parallel()
         ds = cfg.deepspeed
         self.accumulation = int(ds.get("gradient_accumulation_steps", 1))
         cfg.check_world_size(world_size)
@@ -47,30 +41,6 @@ class LevelEngines:
                     f"level {level}: train_batch_size = {self.global_batch} is not divisible by "
                     f"gradient_accumulation_steps ({self.accumulation}) x data-parallel size ({dp})"
                 )
-        if cfg.multilevel.optimizer_state == "map":
-            self._check_mapped_state()
-
-    def _check_mapped_state(self) -> None:
-        """``optimizer_state = "map"`` carries an optimizer's state through every transition: it
-        must be one whose state the transitions know, the same at every level."""
-        keys = []
-        for level in range(len(self.tp_sizes)):
-            ds = self.cfg.level_deepspeed(level)
-            kind = ds.get("optimizer", {"type": "AdamW"}).get("type", "")
-            if not carries_optimizer_state(kind):
-                where = "" if level == 0 else f" at level {level} (multilevel.levels[{level}].deepspeed)"
-                raise ValueError(
-                    f"multilevel.optimizer_state = 'map' carries Adam's moments or SGD's momentum; "
-                    f"optimizer.type is {kind!r}{where}, valid choices are {list(STATE_OPTIMIZERS)}"
-                )
-            keys.append(optimizer_state_keys(ds))
-        if len(set(keys)) > 1:
-            states = ", ".join(f"level {i}: {list(k)}" for i, k in enumerate(keys))
-            raise ValueError(
-                f"multilevel.optimizer_state = 'map' carries one optimizer's state through every level, and "
-                f"the levels' optimizers keep different state ({states}); use the same optimizer at every "
-                f"level, or optimizer_state 'reset'"
-            )
 
     def micro_batch(self, level: int) -> int:
         return self.global_batch // (self.accumulation * self.data_parallel_size(level))
@@ -107,13 +77,10 @@ class LevelEngines:
 
     def build_initial_model(self, level: int) -> torch.nn.Module:
         """A freshly initialised model of ``level`` in its layout (partitioned at creation under ZeRO-3)."""
-        from megatron_multilevel.distributed import set_tensor_model_parallel_size
-        from megatron_multilevel.models import build_model
-
         set_tensor_model_parallel_size(self.tp_sizes[level], seed=self.cfg.training.seed)
-        cfg = self.models[level]
+        cfg, sequence_parallel = self.models[level], self.sequence_parallel[level]
         if self.layout(level).zero_stage < 3:
-            return build_model(cfg)
+            return _with_grad_hooks(build_model(cfg, sequence_parallel=sequence_parallel), sequence_parallel)
         import deepspeed
         from megatron.core import parallel_state
 
@@ -127,15 +94,15 @@ class LevelEngines:
             data_parallel_group=parallel_state.get_data_parallel_group(),
             config_dict_or_path=self.ds_config(level, 1.0), mpu=mpu,
         ):
-            model = build_model(cfg)
+            model = build_model(cfg, sequence_parallel=sequence_parallel)
         _reinit_plain_torch_parameters(model, cfg, self.cfg.training.seed)
-        return model
+        return _with_grad_hooks(model, sequence_parallel)
 
     def build_empty_model(self, level: int) -> torch.nn.Module:
-        """A model of ``level`` in its layout whose parameters a checkpoint is about to fill."""
-        from megatron_multilevel.parallel.transition import _build_target
-
-        return _build_target(self.models[level], self.layout(level), self.ds_config(level, 1.0))
+        """A model of ``level`` in its layout whose parameters a checkpoint or a transition is about
+        to fill (the ``build_target`` of a transition into ``level``)."""
+        return build_empty_model(self.models[level], self.layout(level), self.ds_config(level, 1.0),
+                                 sequence_parallel=self.sequence_parallel[level])
 
     def engine(self, model: torch.nn.Module, level: int, lr_peak: float, lr_factor: Callable[[int], float]):
         """``deepspeed.initialize`` of ``model`` at ``level``, with a fresh AdamW whose learning
@@ -156,6 +123,41 @@ class LevelEngines:
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor),
         )
         return engine
+
+
+def build_empty_model(cfg: ModelConfig, layout: Layout, ds_config: Optional[dict] = None, *,
+                      sequence_parallel: bool = False) -> torch.nn.Module:
+    """A model of ``cfg`` in ``layout``, not initialised (its parameters are about to be overwritten),
+    partitioned at creation under ZeRO-3 (``ds_config``: the level's DeepSpeed keys), with the
+    gradient hooks of sequence parallelism where it runs so. Switches the parallel state to the
+    layout's tensor-parallel size."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() != layout.tensor_model_parallel_size:
+        set_tensor_model_parallel_size(layout.tensor_model_parallel_size)
+    if layout.zero_stage < 3:
+        model = build_model(cfg, perform_initialization=False, sequence_parallel=sequence_parallel)
+        return _with_grad_hooks(model, sequence_parallel)
+    from megatron_multilevel.parallel.mpu import mpu
+    from megatron_multilevel.parallel.streams import partitioned_init
+
+    # Parameters are partitioned as they are created: no rank ever holds the whole model.
+    config = dict(ds_config or {})
+    config.setdefault("zero_optimization", {})["stage"] = 3
+    config.setdefault("train_micro_batch_size_per_gpu", 1)
+    with partitioned_init(
+        data_parallel_group=parallel_state.get_data_parallel_group(), config_dict_or_path=config, mpu=mpu
+    ):
+        model = build_model(cfg, perform_initialization=False, sequence_parallel=sequence_parallel)
+    return _with_grad_hooks(model, sequence_parallel)
+
+
+def _with_grad_hooks(model: torch.nn.Module, sequence_parallel: bool) -> torch.nn.Module:
+    """``model``, with sequence parallelism's gradient hooks when it runs so (after it is built, as
+    torchtitan applies parallelism to a built model)."""
+    if sequence_parallel:
+        register_sequence_parallel_grad_hooks(model)
+    return model
 
 
 def _reinit_plain_torch_parameters(model: torch.nn.Module, cfg: ModelConfig, seed: int) -> None:
