@@ -1,5 +1,5 @@
-"""The ODE strategy inside the trainer: its transitions, the coherence hook, the line search, and
-what a resume needs.
+"""The ODE strategy inside the trainer (Lauga et al.): its transitions, the coherence hook, the line
+search, and what a resume needs; a peer of ``coalesce_cycle.CoalesceCycle``.
 
 Between phases the model is restricted (fine -> coarse model of every other layer), prolonged
 (coarse -> fine: the fine model from before the coarse phase plus the coarse change), or carried
@@ -14,10 +14,11 @@ included; ``multilevel.ode.coarse_*``): transitions then reshard every tensor, a
 vector is built from the fine gradient resharded into the coarse layout.
 """
 
+import functools
 import gc
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,102 +27,110 @@ from megatron_multilevel.level_maps import LayerSelection
 from megatron_multilevel.ode_operators import restrict as restrict_tensors
 from megatron_multilevel.parallel import coherence
 from megatron_multilevel.parallel.ode_transition import carry, prolong, reshard_tensors, restrict, snapshot_fine
+from megatron_multilevel.parallel.staging import load_moments
 from megatron_multilevel.parallel.streams import Groups, materialize_optimizer_state
-from megatron_multilevel.parallel.transition import load_moments
 from megatron_multilevel.training import checkpoint
+from megatron_multilevel.training.context import RunContext, Transition
 from megatron_multilevel.training.flops import flops_per_token, forward_flops_per_token
 from megatron_multilevel.training.schedule import Phase
-
-if TYPE_CHECKING:
-    from megatron_multilevel.training.trainer import Trainer
 
 # The line search halves the correction at most this many times, then drops it.
 MAX_HALVINGS = 3
 
 
 class OdeCycle:
-    def __init__(self, trainer: "Trainer"):
-        self.t = trainer
-        self.ode = trainer.cfg.multilevel.ode
-        self.keys = () if self.ode.optimizer_state == "reset" else trainer.levels.optimizer_state_keys()
+    """Restriction, prolongation and carrying over between the phases of the ODE strategy."""
+
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        self.ode = ctx.cfg.multilevel.ode
+        self.keys = () if self.ode.optimizer_state == "reset" else ctx.levels.optimizer_state_keys()
         self.before = None  # the fine model before the open coarse phase (a FineSnapshot)
         self.hook = None  # the coherence hook of the open coarse phase
 
     def selection(self, phase: Phase) -> LayerSelection:
         assert phase.parity is not None, phase
-        return LayerSelection(self.t.levels.models[0], phase.parity, self.ode.residual_scale)
+        return LayerSelection(self.ctx.levels.models[0], phase.parity, self.ode.residual_scale)
+
+    def phase_fields(self, phase: Phase) -> dict:
+        """Fields of ``phase``'s summary row beyond the common ones: its cycle, the extra FLOPs of the
+        transition into it, and for a coarse phase the fine layers it holds."""
+        fields = {"cycle": phase.cycle, "extra_flops": 0.0}
+        if phase.parity is not None:
+            fields["fine_layers"] = list(self.selection(phase).layers)
+        return fields
 
     def meta(self, phase: Phase) -> dict:
         """What a checkpoint's sidecar says about the phase (a coarse one: which fine layers it holds)."""
         return {"strategy": "ode", "selection": self.selection(phase).to_json() if phase.parity is not None else None}
 
     # ------------------------------------------------------------------ transitions
-    def transition(self, phase: Phase, nxt: Phase) -> tuple[str, float]:
-        """Move the trainer's engine from ``phase`` to ``nxt``; returns what was done and the extra
-        FLOPs it spent (coherence gradients, line-search losses)."""
+    def transition(self, release: Callable[[], object], phase: Phase, nxt: Phase, end_tag: str) -> Transition:
+        """Restrict, prolong or carry over into ``nxt``. ``release()`` hands over the current engine
+        (its holder keeps no reference); ``end_tag`` is unused (the ODE strategy records the tag of
+        its open fine level itself). The extra FLOPs are the coherence gradients' and line-search losses'."""
         if nxt.arrival == "restrict":
-            return self._restrict(nxt)
+            return self._restrict(release(), nxt)
         if nxt.arrival == "prolong":
-            return self._prolong(phase, nxt)
+            return self._prolong(release(), phase, nxt)
         assert nxt.arrival == "continue", nxt
-        old = self._release()
-        staged = carry(old.module, self.t.levels.models[0], layout=self._layout(0), ds_config=self._ds(nxt),
-                       optimizer=old.optimizer, keys=self._materialized(old))
+        old = release()
+        staged = carry(old.module, self.ctx.levels.models[0], build_target=self._builder(nxt), optimizer=old.optimizer,
+                       keys=self._materialized(old))
         del old
-        self._start_engine(staged, nxt)
+        engine = self._start_engine(staged, nxt)
         if self.ode.optimizer_state == "reset":
-            return "carried over, optimizer afresh", 0.0
-        return "carried over " + ("with its optimizer state" if self.keys else "(no optimizer state to carry)"), 0.0
+            return Transition(engine, "carried over, optimizer afresh")
+        return Transition(engine, "carried over " + ("with its optimizer state" if self.keys else
+                                                     "(no optimizer state to carry)"))
 
-    def _restrict(self, nxt: Phase) -> tuple[str, float]:
-        t, state, sel = self.t, self.t.state, self.selection(nxt)
+    def _restrict(self, old, nxt: Phase) -> Transition:
+        ctx, state, sel = self.ctx, self.ctx.state, self.selection(nxt)
         extra, fine_grad = 0.0, None
         if self.ode.coherence == "first_order":
-            fine_grad = restrict_tensors(self._gradients(t.engine, 0), sel)
-            extra += flops_per_token(t.levels.models[0], t.seq) * t.tokens_per_step
+            fine_grad = restrict_tensors(self._gradients(old, 0), sel)
+            extra += flops_per_token(ctx.levels.models[0], ctx.seq) * ctx.tokens_per_step
         if self.ode.line_search:
-            state.ode["reference_loss"] = self._batch_loss(t.engine, self._search_step(nxt))
-            extra += forward_flops_per_token(t.levels.models[0], t.seq) * t.tokens_per_step
+            state.ode["reference_loss"] = self._batch_loss(old, self._search_step(nxt))
+            extra += forward_flops_per_token(ctx.levels.models[0], ctx.seq) * ctx.tokens_per_step
         fine_groups = Groups.current()
-        old = self._release()
         staged, self.before = restrict(
-            old.module, sel, fine_layout=self._layout(0), coarse_layout=self._layout(1), ds_config=self._ds(nxt),
-            optimizer=old.optimizer, keys=self._materialized(old), map_state=self.ode.optimizer_state == "map",
-            keep=t.cfg.multilevel.keep_fine, keep_dir=t._keep_dir(0),
+            old.module, sel, fine_layout=self._layout(0), coarse_layout=self._layout(1),
+            build_target=self._builder(nxt), optimizer=old.optimizer, keys=self._materialized(old),
+            map_state=self.ode.optimizer_state == "map", keep=ctx.cfg.multilevel.keep_fine, keep_dir=ctx.keep_dir(0),
         )
         state.open_levels[0] = checkpoint.tag_of(state.phase, state.step)
         del old
-        self._start_engine(staged, nxt)
+        engine = self._start_engine(staged, nxt)
         if fine_grad is not None:
             fine_grad = reshard_tensors(fine_grad, sel.coarse, source=fine_groups, target=Groups.current())
-            coarse_grad = self._gradients(t.engine, 1)
-            self._install({name: fine_grad[name] - g for name, g in coarse_grad.items()})
-            extra += flops_per_token(t.levels.models[1], t.seq) * t.tokens_per_step
-        return f"restricted to {sel.describe()}", extra
+            coarse_grad = self._gradients(engine, 1)
+            self._install(engine, {name: fine_grad[name] - g for name, g in coarse_grad.items()})
+            extra += flops_per_token(ctx.levels.models[1], ctx.seq) * ctx.tokens_per_step
+        return Transition(engine, f"restricted to {sel.describe()}", extra)
 
-    def _prolong(self, phase: Phase, nxt: Phase) -> tuple[str, float]:
-        t, state, sel = self.t, self.t.state, self.selection(phase)
+    def _prolong(self, coarse, phase: Phase, nxt: Phase) -> Transition:
+        ctx, state, sel = self.ctx, self.ctx.state, self.selection(phase)
         scale = self.ode.correction_scale
         trials = [scale / 2**k for k in range(MAX_HALVINGS + 1)] + [0.0] if self.ode.line_search else [scale]
         coarse_groups = Groups.current()  # each trial builds the fine model in the fine layout
-        coarse = self._release()
         self._remove_hook()
         if self.ode.optimizer_state == "map":
             self._materialized(coarse)
-        extra, losses = 0.0, []
+        extra, losses, engine = 0.0, [], None
         for scale in trials:
             staged = prolong(coarse.module, self.before, sel, fine_layout=self._layout(0),
-                             coarse_layout=self._layout(1), ds_config=self._ds(nxt),
+                             coarse_layout=self._layout(1), build_target=self._builder(nxt),
                              prolongation=self.ode.prolongation, correction_scale=scale, optimizer=coarse.optimizer,
                              state=self.ode.optimizer_state, coarse_groups=coarse_groups)
-            self._start_engine(staged, nxt, crash=scale == trials[0])
+            engine = self._start_engine(staged, nxt, crash=scale == trials[0])
             if scale == 0.0 or not self.ode.line_search:
                 break
-            losses.append(self._batch_loss(t.engine, self._search_step(nxt)))
-            extra += forward_flops_per_token(t.levels.models[0], t.seq) * t.tokens_per_step
+            losses.append(self._batch_loss(engine, self._search_step(nxt)))
+            extra += forward_flops_per_token(ctx.levels.models[0], ctx.seq) * ctx.tokens_per_step
             if losses[-1] <= state.ode["reference_loss"]:
                 break
-            t.engine = None
+            engine = None
             gc.collect()
         del coarse
         self.before = None
@@ -129,22 +138,17 @@ class OdeCycle:
         what = f"prolonged ({self.ode.prolongation}, change x{scale:g})"
         if self.ode.line_search:
             reference = state.ode.pop("reference_loss")
-            t.metrics.record("line_search", phase=nxt.index, global_step=state.global_step, reference_loss=reference,
-                             losses=losses, correction_scale=scale)
+            ctx.metrics.record("line_search", phase=nxt.index, global_step=state.global_step,
+                               reference_loss=reference, losses=losses, correction_scale=scale)
             what += f"; line search: loss before {reference:.4f}, tried {[round(x, 4) for x in losses]}"
-        t._phase_row(nxt)["correction_scale"] = scale
-        return what, extra
+        return Transition(engine, what, extra, row={"correction_scale": scale})
 
-    def _start_engine(self, staged, phase: Phase, *, crash: bool = True) -> None:
+    def _start_engine(self, staged, phase: Phase, *, crash: bool = True):
         if crash:
             checkpoint.crash_point(f"transition{phase.index}")
         gc.collect()
-        self.t.engine = self.t._engine(staged.model, phase)
-        load_moments(self.t.engine, staged)
-
-    def _release(self):
-        """The trainer's engine, which the trainer no longer holds."""
-        engine, self.t.engine = self.t.engine, None
+        engine = self.ctx.engine(staged.model, phase)
+        load_moments(engine, staged)
         return engine
 
     def _materialized(self, engine) -> tuple[str, ...]:
@@ -154,24 +158,25 @@ class OdeCycle:
         return self.keys
 
     def _layout(self, level: int):
-        return self.t.levels.layout(level)
+        return self.ctx.levels.layout(level)
 
-    def _ds(self, phase: Phase) -> dict:
-        return self.t.levels.ds_config(phase.level, phase.lr.peak)
+    def _builder(self, phase: Phase):
+        """The ``build_target`` of a transition into ``phase``: an empty model of its level, in its layout."""
+        return functools.partial(self.ctx.levels.build_empty_model, phase.level)
 
     # ------------------------------------------------------------------ coherence and line search
     def _gradients(self, engine, level: int) -> dict[str, torch.Tensor]:
         """The gradient of the first coarse step's batch (the current global step). The module is
         called directly: DeepSpeed's own forward allows no backward but ``engine.backward``."""
-        t = self.t
+        ctx = self.ctx
         return coherence.step_gradients(
-            engine.module, lambda micro: t._loss(level, t._batch(t.data.train, level, t.state.global_step, micro),
-                                                 engine=engine.module),
-            t.levels.accumulation,
+            engine.module,
+            lambda micro: ctx.loss(level, ctx.batch(ctx.data.train, level, ctx.state.global_step, micro), engine.module),
+            ctx.levels.accumulation,
         )
 
-    def _install(self, v: dict[str, torch.Tensor]) -> None:
-        self.hook = coherence.CoherenceHook(self.t.engine.module, v, self.t.levels.accumulation)
+    def _install(self, engine, v: dict[str, torch.Tensor]) -> None:
+        self.hook = coherence.CoherenceHook(engine.module, v, self.ctx.levels.accumulation)
 
     def _remove_hook(self) -> None:
         if self.hook is not None:
@@ -181,21 +186,21 @@ class OdeCycle:
     def _search_step(self, nxt: Phase) -> int:
         """The training batch the line search scores on: the first after the coarse phase."""
         steps = nxt.steps if nxt.arrival == "restrict" else 0
-        return min(self.t.state.global_step + steps, self.t.total_steps - 1)
+        return min(self.ctx.state.global_step + steps, self.ctx.total_steps - 1)
 
     @torch.no_grad()
     def _batch_loss(self, engine, step: int) -> float:
         """The fine model's loss on training batch ``step`` (eval mode, averaged over data-parallel ranks)."""
         from megatron.core import parallel_state
 
-        t = self.t
+        ctx = self.ctx
         engine.eval()
         total = torch.zeros((), dtype=torch.float64, device=next(engine.module.parameters()).device)
-        for micro in range(t.levels.accumulation):
-            total += t._loss(0, t._batch(t.data.train, 0, step, micro), engine=engine).double()
+        for micro in range(ctx.levels.accumulation):
+            total += ctx.loss(0, ctx.batch(ctx.data.train, 0, step, micro), engine).double()
         engine.train()
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-        value = total.item() / t.levels.accumulation / parallel_state.get_data_parallel_world_size()
+        value = total.item() / ctx.levels.accumulation / parallel_state.get_data_parallel_world_size()
         assert math.isfinite(value), value
         return value
 
@@ -203,31 +208,31 @@ class OdeCycle:
     def save_extra(self, directory: str) -> None:
         """Beside a checkpoint of a coarse phase with coherence: its vector (collective)."""
         if self.hook is not None:
-            coherence.save(self.hook.v, self.t.levels.models[1], directory)
+            coherence.save(self.hook.v, self.ctx.levels.models[1], directory)
 
-    def restore_before(self, state) -> None:
+    def restore(self, state: checkpoint.RunState) -> None:
         """Rebuild the fine model from before the open coarse phase, if any, from the checkpoint saved
         at the end of the phase before it. Called before the current engine is built: it sets up the
         fine layout, which that engine's replaces."""
-        t = self.t
+        ctx = self.ctx
         before_tag = state.open_levels.get(0)
         if before_tag is None:
             return
-        fine_phase = t.phases[checkpoint.phase_of(before_tag)]
-        coarse_phase = t.phases[checkpoint.phase_of(before_tag) + 1]
-        engine = t._engine(t.levels.build_empty_model(0), fine_phase)
-        checkpoint.load(engine, t.run_dir, before_tag, module_only=not self.keys, restore_rng=False)
+        fine_phase = ctx.phases[checkpoint.phase_of(before_tag)]
+        coarse_phase = ctx.phases[checkpoint.phase_of(before_tag) + 1]
+        engine = ctx.engine(ctx.levels.build_empty_model(0), fine_phase)
+        checkpoint.load(engine, ctx.run_dir, before_tag, module_only=not self.keys, restore_rng=False)
         self.before = snapshot_fine(engine.module, self.selection(coarse_phase), fine_layout=self._layout(0),
                                     coarse_layout=self._layout(1), optimizer=engine.optimizer,
-                                    keys=self._materialized(engine), keep=t.cfg.multilevel.keep_fine,
-                                    keep_dir=t._keep_dir(0))
+                                    keys=self._materialized(engine), keep=ctx.cfg.multilevel.keep_fine,
+                                    keep_dir=ctx.keep_dir(0))
         del engine
         gc.collect()
 
-    def resume(self, phase: Phase, tag: str) -> None:
-        """Rebuild the coherence hook of the open coarse phase after ``trainer.engine`` was loaded
-        from ``tag``."""
-        t = self.t
+    def resume(self, phase: Phase, tag: str, engine) -> None:
+        """Rebuild the coherence hook of the open coarse phase once ``engine`` is loaded from ``tag``."""
+        ctx = self.ctx
         if phase.level == 1 and self.ode.coherence == "first_order":
-            directory = os.path.join(checkpoint.checkpoint_dir(t.run_dir), tag)
-            self._install(coherence.load(directory, t.levels.models[1], next(t.engine.module.parameters()).device))
+            directory = os.path.join(checkpoint.checkpoint_dir(ctx.run_dir), tag)
+            self._install(engine, coherence.load(directory, ctx.levels.models[1],
+                                                 next(engine.module.parameters()).device))

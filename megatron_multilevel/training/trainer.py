@@ -1,14 +1,15 @@
 """The training driver: from scratch (multilevel disabled), a V-, W-, F- or grow cycle, or the ODE
-strategy's cycles (``ode_cycle.py``), GPT or BERT.
+strategy's cycles, GPT or BERT.
 
-A run is a list of phases (``schedule.py``); between phases of different levels the model is
-coalesced, or de-coalesced and interpolated with the level's model from before it was coalesced
-(``parallel/transition.py``); with the ODE strategy restricted, prolonged or carried over. Checkpoints are saved periodically and at the end of every phase,
-so that a killed run, transition included, resumes from the last one and follows the same
-trajectory.
+A run is a list of phases (``schedule.py``). The trainer trains each phase, evaluates, logs and
+saves; between two phases it hands its engine to the cycle of the run's strategy, which returns the
+next phase's: ``CoalesceCycle`` (``coalesce_cycle.py``: coalesce, or de-coalesce and interpolate with
+the level's model from before it was coalesced) or ``OdeCycle`` (``ode_cycle.py``: restrict, prolong
+or carry over). Both see the run through one ``RunContext`` (``context.py``). Checkpoints are saved
+periodically and at the end of every phase, so that a killed run, transition included, resumes from
+the last one and follows the same trajectory.
 """
 
-import gc
 import json
 import math
 import os
@@ -19,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_multilevel.config import RunConfig, config_to_dict
-from megatron_multilevel.data.datasets import Batch, build_data, micro_batches, sample_indices
+from megatron_multilevel.data.datasets import build_data
 from megatron_multilevel.level_maps import LevelMap, run_level_maps
-from megatron_multilevel.models import language_model_loss
-from megatron_multilevel.parallel.transition import coarsen, load_moments, prolong, snapshot_level
 from megatron_multilevel.training import checkpoint
 from megatron_multilevel.training.checkpoint import RunState
+from megatron_multilevel.training.coalesce_cycle import CoalesceCycle
+from megatron_multilevel.training.context import RunContext, device
 from megatron_multilevel.training.engines import LevelEngines
 from megatron_multilevel.training.flops import flops_per_token
 from megatron_multilevel.training.metrics import Metrics
@@ -36,24 +37,20 @@ class TrainingError(RuntimeError):
     """Training cannot go on (NaN loss); the last good checkpoint is kept."""
 
 
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        self.run_dir = cfg.training.output_dir
         self.phases = build_phases(cfg)
         self.levels = LevelEngines(cfg, dist.get_world_size())
+        self.ctx = RunContext(cfg, self.phases, self.levels)
+        self.run_dir = self.ctx.run_dir
         self.rank = dist.get_rank()
-        self.total_steps = sum(p.steps for p in self.phases)
-        self.seq = cfg.data.seq_length
-        self.tokens_per_step = self.levels.global_batch * self.seq
-        self.snapshots = {}
+        self.total_steps = self.ctx.total_steps
+        self.seq = self.ctx.seq
+        self.tokens_per_step = self.ctx.tokens_per_step
         self.engine = None
         ml = cfg.multilevel
-        self.ode = OdeCycle(self) if ml.enabled and ml.strategy == "ode" else None
+        self.cycle = OdeCycle(self.ctx) if ml.enabled and ml.strategy == "ode" else CoalesceCycle(self.ctx)
 
     # ---------------------------------------------------------------- setup and resume
     def _level_maps(self, sidecar: "dict | None") -> list[LevelMap]:
@@ -62,7 +59,7 @@ class Trainer:
         return run_level_maps(self.cfg)
 
     def _meta(self) -> dict:
-        return {"model": asdict(self.cfg.model), "level_maps": [m.to_json() for m in self.level_maps],
+        return {"model": asdict(self.cfg.model), "level_maps": [m.to_json() for m in self.ctx.level_maps],
                 "config": config_to_dict(self.cfg)}
 
     def _check_resumable(self, sidecar: dict) -> None:
@@ -82,82 +79,36 @@ class Trainer:
         sidecar = found[1] if found else None
         if sidecar is not None:
             self._check_resumable(sidecar)
-        self.level_maps = self._level_maps(sidecar)
+        self.ctx.level_maps = self._level_maps(sidecar)
         if found is None:
             state = RunState()
             phase = self.phases[0]
-            self.engine = self._engine(self.levels.build_initial_model(phase.level), phase)
-            self.metrics = Metrics(self.run_dir, enabled=self.rank == 0)
+            self.engine = self.ctx.engine(self.levels.build_initial_model(phase.level), phase)
+            self.ctx.metrics = Metrics(self.run_dir, enabled=self.rank == 0)
             if self.rank == 0:
                 with open(os.path.join(self.run_dir, "config.json"), "w") as f:
                     json.dump(config_to_dict(self.cfg), f, indent=1)
             return state
         tag, sidecar = found
         state = checkpoint.state_of(sidecar)
-        self.metrics = Metrics(self.run_dir, enabled=self.rank == 0, resume_global_step=state.global_step)
-        self.metrics.say(f"resuming from {tag} (phase {state.phase + 1}/{len(self.phases)}, step {state.step})")
-        for level, before_tag in sorted(state.open_levels.items()) if self.ode is None else ():
-            self.snapshots[level] = self._snapshot_from_checkpoint(level, before_tag)
-        if self.ode is not None:
-            self.ode.restore_before(state)
+        self.ctx.state = state
+        self.ctx.metrics = Metrics(self.run_dir, enabled=self.rank == 0, resume_global_step=state.global_step)
+        self.ctx.metrics.say(f"resuming from {tag} (phase {state.phase + 1}/{len(self.phases)}, step {state.step})")
+        self.cycle.restore(state)
         phase = self.phases[state.phase]
-        self.engine = self._engine(self.levels.build_empty_model(phase.level), phase)
+        self.engine = self.ctx.engine(self.levels.build_empty_model(phase.level), phase)
         checkpoint.load(self.engine, self.run_dir, tag, restore_rng=sidecar["world_size"] == dist.get_world_size())
-        if self.ode is not None:
-            self.ode.resume(phase, tag)
-        self.metrics.record("resume", global_step=state.global_step, phase=state.phase, tag=tag)
+        self.cycle.resume(phase, tag, self.engine)
+        self.ctx.metrics.record("resume", global_step=state.global_step, phase=state.phase, tag=tag)
         return state
 
-    def _snapshot_from_checkpoint(self, level: int, tag: str):
-        """Rebuild the pre-coalescing snapshot of ``level`` from its checkpoint, saved at the end of
-        the phase that was coalesced."""
-        phase = self.phases[checkpoint.phase_of(tag)]
-        assert phase.level == level and phase.name == "before", (level, tag, phase)
-        engine = self._engine(self.levels.build_empty_model(level), phase)
-        mapped = self._mapped_state()
-        checkpoint.load(engine, self.run_dir, tag, module_only=not mapped, restore_rng=False)
-        snapshot = snapshot_level(
-            engine.module, self.level_maps[level], fine_layout=self.levels.layout(level),
-            coarse_layout=self.levels.layout(level + 1), optimizer=engine.optimizer, moments=mapped,
-            keep=self.cfg.multilevel.keep_fine, keep_dir=self._keep_dir(level),
-        )
-        del engine
-        gc.collect()
-        return snapshot
-
-    def _mapped_state(self) -> tuple[str, ...]:
-        """The optimizer state the coalescing transitions carry: none unless ``optimizer_state`` is
-        ``map``; then Adam's moments, or SGD's momentum."""
-        return self.levels.optimizer_state_keys() if self.cfg.multilevel.optimizer_state == "map" else ()
-
-    def _keep_dir(self, level: int) -> str:
-        return os.path.join(self.run_dir, "snapshots", f"level{level}")
-
-    def _engine(self, model, phase: Phase):
-        return self.levels.engine(model, phase.level, phase.lr.peak, phase.lr_factor)
-
     # ---------------------------------------------------------------- training
-    def _batch(self, dataset, level: int, step: int, micro: int) -> Batch:
-        from megatron.core import parallel_state
-
-        indices = sample_indices(
-            step, micro, global_batch=self.levels.global_batch, micro_batch=self.levels.micro_batch(level),
-            dp_rank=parallel_state.get_data_parallel_rank(), accumulation=self.levels.accumulation,
-        )
-        return micro_batches(dataset, self.cfg.model.kind, indices).to(_device())
-
-    def _loss(self, level: int, batch: Batch, engine=None):
-        return language_model_loss(
-            engine or self.engine, self.levels.models[level], batch.tokens, batch.labels, batch.loss_mask,
-            padding_mask=batch.padding_mask, tokentype_ids=batch.tokentype_ids,
-        )
-
     def _train_step(self, level: int, global_step: int) -> float:
         from megatron.core import parallel_state
 
         losses = []
         for micro in range(self.levels.accumulation):
-            loss = self._loss(level, self._batch(self.data.train, level, global_step, micro))
+            loss = self.ctx.loss(level, self.ctx.batch(self.ctx.data.train, level, global_step, micro), self.engine)
             self.engine.backward(loss)
             self.engine.step()
             losses.append(loss.detach().float())
@@ -177,25 +128,25 @@ class Trainer:
 
         t0 = time.perf_counter()
         self.engine.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=_device())
+        total = torch.zeros(2, dtype=torch.float64, device=device())
         for b in range(self.cfg.training.eval_batches):
             for micro in range(self.levels.accumulation):
-                batch = self._batch(self.data.valid, level, b, micro)
+                batch = self.ctx.batch(self.ctx.data.valid, level, b, micro)
                 count = batch.loss_mask.sum()
-                total += torch.stack([self._loss(level, batch).double() * count, count.double()])
+                total += torch.stack([self.ctx.loss(level, batch, self.engine).double() * count, count.double()])
         self.engine.train()
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-        self.state.counters["eval_seconds"] += time.perf_counter() - t0
+        self.ctx.state.counters["eval_seconds"] += time.perf_counter() - t0
         return (total[0] / total[1].clamp(min=1)).item()
 
     def _record_valid(self, phase: Phase, loss: float) -> None:
-        c = self.state.counters
-        self.metrics.record(
-            "valid", level=phase.level, phase=phase.index, step=self.state.step, global_step=self.state.global_step,
+        c = self.ctx.state.counters
+        self.ctx.metrics.record(
+            "valid", level=phase.level, phase=phase.index, step=self.ctx.state.step, global_step=self.ctx.state.global_step,
             loss=loss, tokens=c["tokens"], flops=c["flops"], seconds=c["train_seconds"] + c["transition_seconds"],
         )
-        self.metrics.say(f"[level {phase.level} | phase {phase.index + 1}/{len(self.phases)} | "
-                         f"step {self.state.step}/{phase.steps}] validation loss {loss:.4f}")
+        self.ctx.metrics.say(f"[level {phase.level} | phase {phase.index + 1}/{len(self.phases)} | "
+                         f"step {self.ctx.state.step}/{phase.steps}] validation loss {loss:.4f}")
 
     def _config_phases(self) -> list[dict]:
         """The schedule a resume must follow: level and steps of every phase (and the ODE coarse parity)."""
@@ -203,16 +154,13 @@ class Trainer:
 
     def _save(self) -> None:
         t0 = time.perf_counter()
-        meta = {**self._meta(), "config_phases": self._config_phases()}
-        if self.ode is not None:
-            meta.update(self.ode.meta(self.phases[self.state.phase]))
-        checkpoint.save(self.engine, self.run_dir, self.state, meta=meta,
-                        extra=None if self.ode is None else self.ode.save_extra)
-        checkpoint.rotate(self.run_dir, self.state, self.cfg.training.keep_checkpoints)
-        self.state.counters["checkpoint_seconds"] += time.perf_counter() - t0
+        meta = {**self._meta(), "config_phases": self._config_phases(), **self.cycle.meta(self.phases[self.ctx.state.phase])}
+        checkpoint.save(self.engine, self.run_dir, self.ctx.state, meta=meta, extra=self.cycle.save_extra)
+        checkpoint.rotate(self.run_dir, self.ctx.state, self.cfg.training.keep_checkpoints)
+        self.ctx.state.counters["checkpoint_seconds"] += time.perf_counter() - t0
 
     def _train_phase(self, phase: Phase) -> None:
-        state, c, t = self.state, self.state.counters, self.cfg.training
+        state, c, t = self.ctx.state, self.ctx.state.counters, self.cfg.training
         level_cfg = self.levels.models[phase.level]
         step_flops = flops_per_token(level_cfg, self.seq) * self.tokens_per_step
         window, window_start, timed = state.log_window, time.perf_counter(), 0
@@ -232,12 +180,12 @@ class Trainer:
                 self._phase_row(phase)["train_loss"] = sum(window) / len(window)
                 elapsed = time.perf_counter() - window_start
                 tps = timed * self.tokens_per_step / max(elapsed, 1e-9)
-                self.metrics.record(
+                self.ctx.metrics.record(
                     "train", level=phase.level, phase=phase.index, step=state.step, global_step=state.global_step,
                     loss=sum(window) / len(window), lr=lr, tokens=c["tokens"], flops=c["flops"],
                     seconds=c["train_seconds"] + c["transition_seconds"], tokens_per_s=tps,
                 )
-                self.metrics.progress(
+                self.ctx.metrics.progress(
                     level=phase.level, phase=phase.index, num_phases=len(self.phases), step=state.step,
                     steps=phase.steps, global_step=state.global_step, total_steps=self.total_steps,
                     loss=sum(window) / len(window), lr=lr, tokens_per_s=tps, elapsed=time.perf_counter() - self.started,
@@ -256,110 +204,72 @@ class Trainer:
 
     def _eta(self) -> float:
         """Seconds left, from the FLOPs left and the FLOP rate so far."""
-        c = self.state.counters
+        c = self.ctx.state.counters
         done = c["flops"]
         left = 0.0
-        for p in self.phases[self.state.phase:]:
-            steps = p.steps - (self.state.step if p.index == self.state.phase else 0)
+        for p in self.phases[self.ctx.state.phase:]:
+            steps = p.steps - (self.ctx.state.step if p.index == self.ctx.state.phase else 0)
             left += steps * flops_per_token(self.levels.models[p.level], self.seq) * self.tokens_per_step
         return left * c["train_seconds"] / done if done else 0.0
 
     def _phase_row(self, phase: Phase) -> dict:
-        while len(self.state.phases) <= phase.index:
-            p = self.phases[len(self.state.phases)]
+        while len(self.ctx.state.phases) <= phase.index:
+            p = self.phases[len(self.ctx.state.phases)]
             m = self.levels.models[p.level]
-            self.state.phases.append({
+            self.ctx.state.phases.append({
                 "phase": p.index, "name": p.name, "level": p.level, "steps": p.steps,
                 "model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
                           "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_hidden_size},
                 "tokens": p.steps * self.tokens_per_step,
                 "flops": p.steps * flops_per_token(m, self.seq) * self.tokens_per_step,
-                "train_seconds_start": self.state.counters["train_seconds"],
+                "train_seconds_start": self.ctx.state.counters["train_seconds"],
                 "transition_seconds": 0.0, "train_loss": None, "valid_loss": None,
+                **self.cycle.phase_fields(p),
             })
-            if self.ode is not None:
-                row = self.state.phases[-1]
-                row.update(cycle=p.cycle, extra_flops=0.0)
-                if p.parity is not None:
-                    row["fine_layers"] = list(self.ode.selection(p).layers)
-        return self.state.phases[phase.index]
+        return self.ctx.state.phases[phase.index]
 
     # ---------------------------------------------------------------- transitions
     def _transition(self, phase: Phase, nxt: Phase, end_tag: str) -> None:
-        """Move to ``nxt``'s level and count the transition's seconds (and the ODE strategy's
-        extra FLOPs) against ``nxt``."""
+        """Move to ``nxt``'s level through the run's cycle, and count the transition's seconds (and
+        the extra FLOPs it spent) against ``nxt``."""
         t0 = time.perf_counter()
-        if self.ode is not None:
-            what, extra_flops = self.ode.transition(phase, nxt)
-        else:
-            what, extra_flops = self._coalesce_transition(phase, nxt, end_tag), 0.0
+        done = self.cycle.transition(self._release_engine, phase, nxt, end_tag)
+        self.engine = done.engine
         seconds = time.perf_counter() - t0
-        self.state.counters["transition_seconds"] += seconds
+        self.ctx.state.counters["transition_seconds"] += seconds
         row = self._phase_row(nxt)
         row["transition_seconds"] += seconds
-        if self.ode is not None:
-            self.state.counters["flops"] += extra_flops
-            row["flops"] += extra_flops
-            row["extra_flops"] += extra_flops
+        row.update(done.row)
+        if done.extra_flops:
+            self.ctx.state.counters["flops"] += done.extra_flops
+            row["flops"] += done.extra_flops
+            row["extra_flops"] += done.extra_flops
         m = self.levels.models[nxt.level]
-        self.metrics.say(
-            f"level {phase.level} -> {nxt.level}: {what} in {seconds:.2f} s; now {m.num_layers} layers, "
+        self.ctx.metrics.say(
+            f"level {phase.level} -> {nxt.level}: {done.what} in {seconds:.2f} s; now {m.num_layers} layers, "
             f"hidden {m.hidden_size}, {m.num_attention_heads} heads"
         )
 
-    def _coalesce_transition(self, phase: Phase, nxt: Phase, end_tag: str) -> str:
-        """Coalesce into, or de-coalesce (and interpolate) into, ``nxt``'s level; returns what was done."""
-        ml = self.cfg.multilevel
-        mapped = self._mapped_state()
-        old = self.engine
-        ds = self.levels.ds_config(nxt.level, nxt.lr.peak)
-        if nxt.level > phase.level:
-            assert phase.level not in self.snapshots, f"level {phase.level} is coalesced twice without being rebuilt"
-            staged, before = coarsen(
-                old.module, self.level_maps[phase.level], fine_layout=self.levels.layout(phase.level),
-                coarse_layout=self.levels.layout(nxt.level), ds_config=ds, optimizer=old.optimizer,
-                moments=mapped, keep=ml.keep_fine, keep_dir=self._keep_dir(phase.level),
-            )
-            self.snapshots[phase.level] = before
-            self.state.open_levels[phase.level] = end_tag
-            what = "coalesced"
-        else:
-            before = self.snapshots.pop(nxt.level, None)
-            assert (before is None) == (nxt.arrival == "grow"), (nxt, sorted(self.snapshots))
-            # growing: no model of this level to interpolate with (mapped moments: the coarse ones, grown)
-            alpha = 1.0 if before is None else ml.alpha_of(nxt.level)
-            staged = prolong(
-                old.module, before, self.level_maps[nxt.level], alpha,
-                coarse_layout=self.levels.layout(phase.level), fine_layout=self.levels.layout(nxt.level),
-                ds_config=ds, optimizer=old.optimizer, moments=mapped,
-                perturbation_std=ml.perturbation_std, seed=self.cfg.training.seed + nxt.index,
-                correction=ml.interpolation == "correction",
-            )
-            self.state.open_levels.pop(nxt.level, None)
-            what = ("de-coalesced, grown" if before is None else "de-coalesced and interpolated"
-                    if ml.interpolation == "blend" else "de-coalesced, coarse correction added")
-            what += f" (alpha {alpha})"
-        checkpoint.crash_point(f"transition{nxt.index}")
-        self.engine = old = None
-        gc.collect()
-        self.engine = self._engine(staged.model, nxt)
-        load_moments(self.engine, staged)
-        return what
+    def _release_engine(self):
+        """The current engine, which the trainer no longer holds (a transition frees it before it
+        builds the next level's)."""
+        engine, self.engine = self.engine, None
+        return engine
 
     # ---------------------------------------------------------------- the run
     def run(self) -> dict:
         self.started = time.perf_counter()
-        self.state = self._start()
+        self.ctx.state = self._start()
         train_samples = self.total_steps * self.levels.global_batch
         valid_samples = self.cfg.training.eval_batches * self.levels.global_batch
-        self.data = build_data(self.cfg, train_samples=train_samples, valid_samples=valid_samples)
-        self.metrics.say(
+        self.ctx.data = build_data(self.cfg, train_samples=train_samples, valid_samples=valid_samples)
+        self.ctx.metrics.say(
             f"{len(self.phases)} phase(s), {self.total_steps} steps of {self.levels.global_batch} x {self.seq} "
             f"tokens on {dist.get_world_size()} rank(s); levels: "
             + ", ".join(f"{m.num_layers}x{m.hidden_size}{_layout_note(tp, sp)}" for m, tp, sp in
                         zip(self.levels.models, self.cfg.level_tp_sizes(), self.cfg.level_sequence_parallel()))
         )
-        state = self.state
+        state = self.ctx.state
         while state.phase < len(self.phases):
             phase = self.phases[state.phase]
             row = self._phase_row(phase)
@@ -379,24 +289,24 @@ class Trainer:
         return self._summary()
 
     def _summary(self) -> dict:
-        c = self.state.counters
-        phases = [{k: v for k, v in row.items() if k != "train_seconds_start"} for row in self.state.phases]
+        c = self.ctx.state.counters
+        phases = [{k: v for k, v in row.items() if k != "train_seconds_start"} for row in self.ctx.state.phases]
         summary = {
             "phases": phases,
             "totals": {**c, "wall_seconds": c["train_seconds"] + c["transition_seconds"], "steps": self.total_steps,
-                       "final_valid_loss": self.state.phases[-1]["valid_loss"]},
+                       "final_valid_loss": self.ctx.state.phases[-1]["valid_loss"]},
             "multilevel": self.cfg.multilevel.enabled,
             "strategy": self.cfg.multilevel.strategy,
         }
         if self.rank == 0:
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=1)
-            self.metrics.say(
+            self.ctx.metrics.say(
                 f"done: final validation loss {summary['totals']['final_valid_loss']:.4f}, "
                 f"{c['flops'] / 1e12:.3f} TFLOPs ({c['flops'] / self._fine_only_flops(c['tokens']):.0%} of the fine "
                 f"model alone on the same tokens), {summary['totals']['wall_seconds']:.1f} s training + transitions"
             )
-        self.metrics.close()
+        self.ctx.metrics.close()
         return summary
 
 

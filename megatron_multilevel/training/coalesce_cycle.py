@@ -1,0 +1,112 @@
+"""The coalescing strategy inside the trainer (Zou et al.): its transitions and what a resume needs.
+
+Between phases of different levels the model is coalesced into the coarser level, or de-coalesced
+from it and interpolated with (or corrected from) the level's model from before it was coalesced
+(``parallel/transition.py``); the first arrival at a level of an F- or grow cycle grows it. The
+model from before coalescing (with its mapped optimizer moments) is kept per open level, and rebuilt
+on resume from the checkpoint saved at the end of the phase that was coalesced
+(``RunState.open_levels``).
+"""
+
+import functools
+import gc
+from typing import Callable
+
+from megatron_multilevel.parallel.staging import FineSnapshot, load_moments
+from megatron_multilevel.parallel.transition import coarsen, prolong, snapshot_level
+from megatron_multilevel.training import checkpoint
+from megatron_multilevel.training.context import RunContext, Transition
+from megatron_multilevel.training.schedule import Phase
+
+
+class CoalesceCycle:
+    """Coalescing, de-coalescing and interpolation between the levels of a V-, W-, F- or grow cycle."""
+
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        self.snapshots: dict[int, FineSnapshot] = {}  # open level -> its model from before coalescing
+
+    def phase_fields(self, phase: Phase) -> dict:
+        """Fields of ``phase``'s summary row beyond the common ones: none."""
+        return {}
+
+    def meta(self, phase: Phase) -> dict:
+        """What a checkpoint's sidecar says of the phase beyond the common fields: nothing."""
+        return {}
+
+    def save_extra(self, directory: str) -> None:
+        """Files beside a checkpoint's: none (the kept models are rebuilt from checkpoints)."""
+
+    def restore(self, state: checkpoint.RunState) -> None:
+        """Rebuild the model from before coalescing of every open level, from its checkpoint. Called
+        before the current engine is built: it sets up each level's layout, which that engine's replaces."""
+        for level, before_tag in sorted(state.open_levels.items()):
+            self.snapshots[level] = self._snapshot_from_checkpoint(level, before_tag)
+
+    def resume(self, phase: Phase, tag: str, engine) -> None:
+        """Nothing to rebuild once the current engine is loaded."""
+
+    def transition(self, release: Callable[[], object], phase: Phase, nxt: Phase, end_tag: str) -> Transition:
+        """Coalesce into, or de-coalesce (and interpolate) into, ``nxt``'s level. ``release()`` hands
+        over the current engine (its holder keeps no reference, so that it is freed before the next
+        level's engine is built); ``end_tag`` is the checkpoint at the end of ``phase``."""
+        ctx, ml = self.ctx, self.ctx.cfg.multilevel
+        mapped = self._mapped_state()
+        old = release()
+        build_target = functools.partial(ctx.levels.build_empty_model, nxt.level)
+        if nxt.level > phase.level:
+            assert phase.level not in self.snapshots, f"level {phase.level} is coalesced twice without being rebuilt"
+            staged, before = coarsen(
+                old.module, ctx.level_maps[phase.level], fine_layout=ctx.levels.layout(phase.level),
+                coarse_layout=ctx.levels.layout(nxt.level), build_target=build_target, optimizer=old.optimizer,
+                moments=mapped, keep=ml.keep_fine, keep_dir=ctx.keep_dir(phase.level),
+            )
+            self.snapshots[phase.level] = before
+            ctx.state.open_levels[phase.level] = end_tag
+            what = "coalesced"
+        else:
+            before = self.snapshots.pop(nxt.level, None)
+            assert (before is None) == (nxt.arrival == "grow"), (nxt, sorted(self.snapshots))
+            # growing: no model of this level to interpolate with (mapped moments: the coarse ones, grown)
+            alpha = 1.0 if before is None else ml.alpha_of(nxt.level)
+            staged = prolong(
+                old.module, before, ctx.level_maps[nxt.level], alpha,
+                coarse_layout=ctx.levels.layout(phase.level), fine_layout=ctx.levels.layout(nxt.level),
+                build_target=build_target, optimizer=old.optimizer, moments=mapped,
+                perturbation_std=ml.perturbation_std, seed=ctx.cfg.training.seed + nxt.index,
+                correction=ml.interpolation == "correction",
+            )
+            ctx.state.open_levels.pop(nxt.level, None)
+            what = ("de-coalesced, grown" if before is None else "de-coalesced and interpolated"
+                    if ml.interpolation == "blend" else "de-coalesced, coarse correction added")
+            what += f" (alpha {alpha})"
+        checkpoint.crash_point(f"transition{nxt.index}")
+        old = None
+        gc.collect()
+        engine = ctx.engine(staged.model, nxt)
+        load_moments(engine, staged)
+        return Transition(engine, what)
+
+    def _snapshot_from_checkpoint(self, level: int, tag: str) -> FineSnapshot:
+        """Rebuild the pre-coalescing snapshot of ``level`` from its checkpoint, saved at the end of
+        the phase that was coalesced."""
+        ctx = self.ctx
+        phase = ctx.phases[checkpoint.phase_of(tag)]
+        assert phase.level == level and phase.name == "before", (level, tag, phase)
+        engine = ctx.engine(ctx.levels.build_empty_model(level), phase)
+        mapped = self._mapped_state()
+        checkpoint.load(engine, ctx.run_dir, tag, module_only=not mapped, restore_rng=False)
+        snapshot = snapshot_level(
+            engine.module, ctx.level_maps[level], fine_layout=ctx.levels.layout(level),
+            coarse_layout=ctx.levels.layout(level + 1), optimizer=engine.optimizer, moments=mapped,
+            keep=ctx.cfg.multilevel.keep_fine, keep_dir=ctx.keep_dir(level),
+        )
+        del engine
+        gc.collect()
+        return snapshot
+
+    def _mapped_state(self) -> tuple[str, ...]:
+        """The optimizer state the transitions carry: none unless ``optimizer_state`` is ``map``;
+        then Adam's moments, or SGD's momentum."""
+        return self.ctx.levels.optimizer_state_keys() if self.ctx.cfg.multilevel.optimizer_state == "map" else ()
+
