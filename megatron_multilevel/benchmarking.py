@@ -180,7 +180,7 @@ def _level(steps_before: int, peak: float, *, warmup: int = 0, steps_after: int 
 def _flops_ratios(base: dict, multilevel: dict) -> list[float]:
     """FLOPs per step of every level of ``multilevel`` over the fine model's."""
     from megatron_multilevel.config import load_config
-    from megatron_multilevel.training.flops import flops_per_token
+    from megatron_multilevel.flops import flops_per_token
 
     levels = [{"steps_before": 1}] * multilevel["num_levels"]
     cfg = load_config({**base, "multilevel": {**multilevel, "enabled": True, "levels": levels, "cycle": "v",

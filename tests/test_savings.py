@@ -124,7 +124,7 @@ def test_summaries():
 
 
 def _budget(cfg):
-    from megatron_multilevel.training.flops import flops_per_token
+    from megatron_multilevel.flops import flops_per_token
     from megatron_multilevel.training.schedule import build_phases
 
     parsed = load_config(cfg)

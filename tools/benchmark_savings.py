@@ -189,7 +189,7 @@ def step_times(configs: dict[str, dict], *, steps: int = 12) -> dict:
     from megatron_multilevel.config import load_config
     from megatron_multilevel.distributed import init_single_process
     from megatron_multilevel.models import build_model, language_model_loss
-    from megatron_multilevel.training.flops import flops_per_token
+    from megatron_multilevel.flops import flops_per_token
 
     init_single_process()
     shapes = {}

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megatron_multilevel.benchmarking import run_savings
 from megatron_multilevel.config import RunConfig, config_to_dict, load_config
-from megatron_multilevel.training.flops import flops_per_token
+from megatron_multilevel.flops import flops_per_token
 from megatron_multilevel.training.metrics import read_metrics
 from megatron_multilevel.training.schedule import build_phases
 

@@ -20,13 +20,13 @@ import torch.distributed as dist
 
 from megatron_multilevel.config import RunConfig, config_to_dict
 from megatron_multilevel.data.datasets import Batch, build_data, micro_batches, sample_indices
+from megatron_multilevel.flops import flops_per_token
 from megatron_multilevel.level_maps import LevelMap, run_level_maps
 from megatron_multilevel.models import language_model_loss
 from megatron_multilevel.parallel.transition import coarsen, load_moments, prolong, snapshot_level
 from megatron_multilevel.training import checkpoint
 from megatron_multilevel.training.checkpoint import RunState
 from megatron_multilevel.training.engines import LevelEngines
-from megatron_multilevel.training.flops import flops_per_token
 from megatron_multilevel.training.metrics import Metrics
 from megatron_multilevel.training.ode_cycle import OdeCycle
 from megatron_multilevel.training.schedule import Phase, build_phases, schedule_signature
