@@ -25,7 +25,7 @@ python_bin="${PYTHON:-python}"
 # headline point).
 FRACTIONS="--fractions 0.6 0.8 1.0"
 # the recipe of the study's pin (the F-cycle with a quarter-length second visit), as the pinned
-# benchmark's flags; the pin's code has no --recipe (later code: benchmarking.RECIPE)
+# benchmark's flags; the pin's code has no --recipe (later code: study.variants.RECIPE)
 RECIPE="--shape depth --depth-pairing halves --depth-scaling identity --coarse-share 0.8 --ea 0.1 --optimizer-state map --after-warmup 0 --lr-schedule continue --interpolation correction --alpha 1.0"
 RECIPES=(
   # the F-cycle of the pin: stacking's start (80% of the steps at half depth, grown
@@ -60,7 +60,7 @@ declare -A SEEDS=([cpu-8x256-480]=3 [ablation-8x256-480]=1 [ablation-8x256-480-b
 ORDER=(cpu-8x256-480 cpu-4x128-240 cpu-4x128-960 cpu-8x256-240 cpu-8x256-960 cpu-4x128-3840)
 
 # The ablation of the recipe (README, "The recipe": the F-cycle above with the half-length second
-# visit, benchmarking.RECIPE) at the headline point, one change at a time, each at the full budget
+# visit, study.variants.RECIPE) at the headline point, one change at a time, each at the full budget
 # (final loss and curve crossing), most telling first: the changes that ended under the previous
 # recipe (width coalesced too, a 90% coarse share), alone and together, the coarse learning rate,
 # the ODE strategy with the coarse level first and stacking given the same levers, then every

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SKIP = shutil.ignore_patterns(".git", ".venv*", ".cache", "runs", "benchmarks", "__pycache__", ".pytest_cache",
                               "*.egg-info")
 TRAINER = "megatron_multilevel/training/trainer.py"
-FLOPS = "megatron_multilevel/training/flops.py"
+FLOPS = "megatron_multilevel/flops.py"
 READER = "megatron_multilevel/checkpoints/deepspeed_reader.py"
 CHECKPOINT = "megatron_multilevel/training/checkpoint.py"
 TRANSITIONS = ["tests/test_trainer_transitions.py"]

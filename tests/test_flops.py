@@ -1,6 +1,6 @@
 """Training FLOPs per token against figures worked out by hand.
 
-The convention (``training/flops.py``): a matrix multiply of an ``m x n`` weight costs ``2 m n``
+The convention (``flops.py``): a matrix multiply of an ``m x n`` weight costs ``2 m n``
 FLOPs per token forward and twice that backward, so ``6 m n`` in training; the attention scores
 ``Q K^T`` and their weighted sum ``A V`` cost ``2 * seq * (heads * head size)`` each per token
 and layer forward, ``12 * seq * heads * head size`` in training (no causal discount). The output
@@ -11,7 +11,7 @@ not count.
 import pytest
 
 from megatron_multilevel.config import ModelConfig
-from megatron_multilevel.training.flops import flops_per_token, forward_flops_per_token
+from megatron_multilevel.flops import flops_per_token, forward_flops_per_token
 
 
 def test_gpt2_124m():

@@ -60,7 +60,7 @@ def reference(tmp_path_factory, corpus):
 
 def _flops(num_layers):
     from megatron_multilevel.config import ModelConfig
-    from megatron_multilevel.training.flops import flops_per_token
+    from megatron_multilevel.flops import flops_per_token
 
     cfg = ModelConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=4, vocab_size=512,
                       max_sequence_length=SEQ)

@@ -7,9 +7,10 @@ import sys
 import pytest
 
 from launch_helpers import ROOT, make_corpus, preprocess
-from megatron_multilevel.benchmarking import (
-    at_fraction, compress, equal_quality, first_crossing, kept_runs, run_savings, summarize, variant_configs)
 from megatron_multilevel.config import load_config
+from megatron_multilevel.study.runs import kept_runs
+from megatron_multilevel.study.savings import at_fraction, equal_quality, first_crossing, run_savings, summarize
+from megatron_multilevel.study.variants import compress, variant_configs
 
 
 def test_first_crossing_interpolates_linearly():
@@ -124,7 +125,7 @@ def test_summaries():
 
 
 def _budget(cfg):
-    from megatron_multilevel.training.flops import flops_per_token
+    from megatron_multilevel.flops import flops_per_token
     from megatron_multilevel.training.schedule import build_phases
 
     parsed = load_config(cfg)
@@ -263,7 +264,7 @@ def _tool(name: str = "benchmark_savings"):
 def test_the_shipped_configs_are_the_benchmarks_recipe(name, steps, fine_lr, warmup, coarse_share):
     """What the benchmark measures as the recipe is what the configs ship: the same walk, steps,
     schedules, operators and optimizer-state mapping, at the configs' own budgets."""
-    from megatron_multilevel.benchmarking import RECIPE
+    from megatron_multilevel.study.variants import RECIPE
 
     data = json.loads((ROOT / "configs" / name).read_text())
     base = {k: v for k, v in data.items() if k != "multilevel"}
@@ -273,7 +274,7 @@ def test_the_shipped_configs_are_the_benchmarks_recipe(name, steps, fine_lr, war
 
 
 def test_recipe_flag_sets_the_recipe_and_yields_to_flags_given():
-    from megatron_multilevel.benchmarking import RECIPE
+    from megatron_multilevel.study.variants import RECIPE
 
     tool = _tool()
     args = tool.parse_args(tool.build_parser(), ["--size", "tiny", "--steps", "100", "--recipe"])
@@ -471,7 +472,7 @@ def _add_one_budget_method(results: dict, seeds: dict, name: str = "ode2") -> No
 def test_study_rows_and_their_table(tmp_path):
     """The scale study's rows by hand: regime, medians and spreads, lower bounds; points made by
     other code are left out."""
-    from megatron_multilevel.benchmarking import study_rows
+    from megatron_multilevel.study.savings import study_rows
 
     report = _tool("study_report")
     read_points, table = report.read_points, report.table
@@ -522,7 +523,7 @@ def test_study_rows_and_their_table(tmp_path):
     assert [rows[1]["methods"][m]["equal_quality"]["zero_or_more"] for m in ("fcycle2", "ode2", "ode2-b")] == [
         False, False, True]
 
-    from megatron_multilevel.plotting import plot_scale
+    from megatron_multilevel.study.plotting import plot_scale
 
     with open(plot_scale(rows, str(tmp_path / "plot")), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -532,7 +533,7 @@ def test_phase_leads_against_scratch_at_equal_flops(tmp_path):
     """A run's lead over scratch at each phase end, by hand on a made-up piecewise-linear scratch
     curve; the study report's table of them, from run files (full budget only, same seed, the
     point's code version)."""
-    from megatron_multilevel.benchmarking import phase_leads
+    from megatron_multilevel.study.savings import phase_leads
 
     scratch = [{"flops": f * 1e9, "loss": loss} for f, loss in ((1, 4.0), (2, 3.0), (3, 2.5), (4, 2.0))]
     # phase ends at 0.5e9 (before scratch's first evaluation), 1.5e9, 2.5e9 and 4e9 FLOPs:

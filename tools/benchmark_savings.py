@@ -89,7 +89,7 @@ def base_config(args) -> dict:
 
 
 def variants(args, base: dict) -> dict[str, dict]:
-    from megatron_multilevel.benchmarking import variant_configs
+    from megatron_multilevel.study.variants import variant_configs
 
     size = SIZES[args.size]
     steps = args.steps or size["steps"]
@@ -136,9 +136,9 @@ def variants(args, base: dict) -> dict[str, dict]:
 
 
 def recipe_defaults(p: argparse.ArgumentParser) -> dict:
-    """The recipe (``benchmarking.RECIPE``) as defaults of ``p``'s flags (a flag that takes a
+    """The recipe (``study.variants.RECIPE``) as defaults of ``p``'s flags (a flag that takes a
     sweep, a list, gets the recipe's value as its only, the method's, value)."""
-    from megatron_multilevel.benchmarking import RECIPE
+    from megatron_multilevel.study.variants import RECIPE
 
     return {"methods": ["fcycle2"],
             **{k: [v] if isinstance(p.get_default(k), list) else v for k, v in RECIPE.items()}}
@@ -189,7 +189,7 @@ def step_times(configs: dict[str, dict], *, steps: int = 12) -> dict:
     from megatron_multilevel.config import load_config
     from megatron_multilevel.distributed import init_single_process
     from megatron_multilevel.models import build_model, language_model_loss
-    from megatron_multilevel.training.flops import flops_per_token
+    from megatron_multilevel.flops import flops_per_token
 
     init_single_process()
     shapes = {}
@@ -282,7 +282,7 @@ def _commit() -> str:
 
 def collect(results: list[dict], times: dict) -> dict:
     """Savings per method and seed against the baseline of the same seed, and their medians."""
-    from megatron_multilevel.benchmarking import at_fraction, equal_quality, run_savings, summarize
+    from megatron_multilevel.study.savings import at_fraction, equal_quality, run_savings, summarize
 
     def records(run):
         return [{**r, "type": "valid"} for r in run["valid"]]
@@ -369,7 +369,7 @@ def table(results: dict) -> str:
 
 
 def plots(out_dir: str, results: list[dict], target: float) -> list[str]:
-    from megatron_multilevel.plotting import plot_budgets, plot_validation
+    from megatron_multilevel.study.plotting import plot_budgets, plot_validation
 
     seed = min(r["seed"] for r in results)
     curves = {r["method"]: [{**v, "type": "valid"} for v in r["valid"]] for r in results
@@ -465,8 +465,9 @@ def parse_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     p = build_parser()
     args = parse_args(p, argv)
-    from megatron_multilevel.benchmarking import compress, source_version
     from megatron_multilevel.config import load_config
+    from megatron_multilevel.study.runs import source_version
+    from megatron_multilevel.study.variants import compress
 
     base = base_config(args)
     try:
@@ -532,7 +533,7 @@ def _write_json(path: str, value) -> None:
 
 def report(args, base: dict, names: list[str], version: str, results_dir: str, started: float, argv) -> dict:
     """Tables, plots and ``results.json`` from the kept results of this code version."""
-    from megatron_multilevel.benchmarking import kept_runs
+    from megatron_multilevel.study.runs import kept_runs
 
     kept, others = kept_runs(results_dir, version)
     order = {name: i for i, name in enumerate(names)}

@@ -21,7 +21,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="output directory (default: <first run>/plots)")
     parser.add_argument("--labels", nargs="*", default=None, help="legend labels, one per run")
     args = parser.parse_args(argv)
-    from megatron_multilevel.plotting import plot_runs
+    from megatron_multilevel.study.plotting import plot_runs
     from megatron_multilevel.training.metrics import METRICS_FILE, read_metrics
 
     runs = {}

@@ -59,7 +59,7 @@ def parameter_counts(points: dict[str, dict]) -> dict[str, int]:
 
 
 def table(rows: list[dict]) -> str:
-    from megatron_multilevel.benchmarking import format_saving
+    from megatron_multilevel.study.savings import format_saving
 
     lines = ["| point | parameters | tokens | tokens per parameter | seeds | scratch: final loss | method | "
              "final loss | equal quality: FLOPs saved | equal quality: wall-clock saved (normalised) | "
@@ -80,11 +80,12 @@ def read_leads(benchmarks: str, rows: list[dict], points: dict[str, dict]) -> li
     """Per point (in the order of ``rows``) and multilevel method, from the full-budget run files of
     ``<point>/runs/`` made by the code of the point's ``results.json`` (``points[name]``): its
     phases (level and steps) and its lead over training from scratch at the end of each phase, at
-    equal FLOPs (:func:`megatron_multilevel.benchmarking.phase_leads`), the median over the seeds
+    equal FLOPs (:func:`megatron_multilevel.study.savings.phase_leads`), the median over the seeds
     and every seed's."""
     import statistics
 
-    from megatron_multilevel.benchmarking import kept_runs, phase_leads
+    from megatron_multilevel.study.runs import kept_runs
+    from megatron_multilevel.study.savings import phase_leads
 
     out = []
     for r in rows:
@@ -131,8 +132,8 @@ def main(argv=None) -> int:
     if not points:
         raise SystemExit(f"study_report: no point of {args.benchmarks} was made by {commit[:12]}")
 
-    from megatron_multilevel.benchmarking import study_rows
-    from megatron_multilevel.plotting import plot_scale
+    from megatron_multilevel.study.plotting import plot_scale
+    from megatron_multilevel.study.savings import study_rows
 
     rows = study_rows(points, parameter_counts(points))
     os.makedirs(out, exist_ok=True)

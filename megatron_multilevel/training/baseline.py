@@ -2,7 +2,7 @@
 the same data and seed with the same training FLOPs, in ``<run>/baseline``, and what the
 multilevel run saved against it.
 
-The saving is the savings benchmark's, at equal quality (``benchmarking.run_savings``): the
+The saving is the savings benchmark's, at equal quality (``study.savings.run_savings``): the
 training FLOPs and wall-clock seconds (training and transitions) the run needs to first reach the
 validation loss the baseline ends at, against what the baseline needs to reach it; or, when the
 run never reaches it, how far above it the run ends. The baseline runs in the same processes as
@@ -19,9 +19,9 @@ import tempfile
 
 import torch.distributed as dist
 
-from megatron_multilevel.benchmarking import run_savings
 from megatron_multilevel.config import RunConfig, config_to_dict, load_config
-from megatron_multilevel.training.flops import flops_per_token
+from megatron_multilevel.flops import flops_per_token
+from megatron_multilevel.study.savings import run_savings
 from megatron_multilevel.training.metrics import read_metrics
 from megatron_multilevel.training.schedule import build_phases
 
@@ -109,7 +109,7 @@ def run_baseline(cfg: RunConfig, base: RunConfig) -> "dict | None":
 
 def compare(run_dir: str, base_dir: str) -> dict:
     """The ``baseline`` block of the run's summary (added to its ``summary.json``), and the plots."""
-    from megatron_multilevel.plotting import plot_validation
+    from megatron_multilevel.study.plotting import plot_validation
 
     records, base_records = read_metrics(run_dir), read_metrics(base_dir)
     with open(os.path.join(base_dir, SUMMARY)) as f:

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_multilevel.flops import flops_per_token, forward_flops_per_token
 from megatron_multilevel.level_maps import LayerSelection
 from megatron_multilevel.ode_operators import restrict as restrict_tensors
 from megatron_multilevel.parallel import coherence
@@ -31,7 +32,6 @@ from megatron_multilevel.parallel.staging import load_moments
 from megatron_multilevel.parallel.streams import Groups, materialize_optimizer_state
 from megatron_multilevel.training import checkpoint
 from megatron_multilevel.training.context import RunContext, Transition
-from megatron_multilevel.training.flops import flops_per_token, forward_flops_per_token
 from megatron_multilevel.training.schedule import Phase
 
 # The line search halves the correction at most this many times, then drops it.

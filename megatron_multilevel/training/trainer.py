@@ -21,13 +21,13 @@ import torch.distributed as dist
 
 from megatron_multilevel.config import RunConfig, config_to_dict
 from megatron_multilevel.data.datasets import build_data
+from megatron_multilevel.flops import flops_per_token
 from megatron_multilevel.level_maps import LevelMap, run_level_maps
 from megatron_multilevel.training import checkpoint
 from megatron_multilevel.training.checkpoint import RunState
 from megatron_multilevel.training.coalesce_cycle import CoalesceCycle
 from megatron_multilevel.training.context import RunContext, device
 from megatron_multilevel.training.engines import LevelEngines
-from megatron_multilevel.training.flops import flops_per_token
 from megatron_multilevel.training.metrics import Metrics
 from megatron_multilevel.training.ode_cycle import OdeCycle
 from megatron_multilevel.training.schedule import Phase, build_phases, schedule_signature

@@ -119,7 +119,7 @@ def plot_scale(rows: list[dict], out_dir: str) -> str:
     method ran at the full budget only and reached it in every seed (a saving of 0 or more) with a
     triangle up; the methods sit a little to either side of their budget so that equal savings
     stay visible; one legend for all panels, under them (``rows``:
-    :func:`megatron_multilevel.benchmarking.study_rows`)."""
+    :func:`megatron_multilevel.study.savings.study_rows`)."""
     plt = _pyplot()
     os.makedirs(out_dir, exist_ok=True)
     shapes = sorted({r["shape"] for r in rows}, key=lambda s: next(r["parameters"] for r in rows if r["shape"] == s))
