@@ -125,8 +125,8 @@ def _case(case):
     from megatron_multilevel.ode_operators import unrestrict_layer
     from megatron_multilevel.parallel import coherence
     from megatron_multilevel.parallel.ode_transition import DEGREE, prolong, restrict
-    from megatron_multilevel.parallel.streams import materialize_optimizer_state
     from megatron_multilevel.parallel.transition import Layout, load_moments
+    from megatron_multilevel.parallel.zero import materialize_optimizer_state
 
     cfg = _model_config(case["kind"])
     sel = LayerSelection(cfg, case["parity"], RESIDUAL_SCALE)

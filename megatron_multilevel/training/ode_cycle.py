@@ -26,8 +26,9 @@ from megatron_multilevel.level_maps import LayerSelection
 from megatron_multilevel.ode_operators import restrict as restrict_tensors
 from megatron_multilevel.parallel import coherence
 from megatron_multilevel.parallel.ode_transition import carry, prolong, reshard_tensors, restrict, snapshot_fine
-from megatron_multilevel.parallel.streams import Groups, materialize_optimizer_state
+from megatron_multilevel.parallel.streams import Groups
 from megatron_multilevel.parallel.transition import load_moments
+from megatron_multilevel.parallel.zero import materialize_optimizer_state
 from megatron_multilevel.training import checkpoint
 from megatron_multilevel.training.flops import flops_per_token, forward_flops_per_token
 from megatron_multilevel.training.schedule import Phase
