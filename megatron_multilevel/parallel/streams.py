@@ -204,8 +204,11 @@ class ModelReader(_ModelStream):
                 part = safe_get_local_fp32_param(p)
             else:
                 part = p.ds_tensor
+            # part: this rank's flat partition (P,) -> (P,); the gathered range
+            # (rows * width,) -> (rows, *shape[1:]), rows = stop - start
             return gather_range(part.reshape(-1), p.ds_process_group, start * width, stop * width).view(rows_shape)
         if hasattr(p, "_hp_mapping") and (key is not None or p.dtype != torch.float32):
+            # (rows * width,) -> (rows, *shape[1:]), rows = stop - start
             return fragment_range(p, key, start * width, stop * width).view(rows_shape)
         if key is None:
             return p.detach()[start:stop]
@@ -309,6 +312,7 @@ class ModelWriter(_ModelStream):
         )
         with torch.no_grad():
             if is_zero3(p):
+                # mine: (hi - lo, *shape[1:]) -> ((hi - lo) * width,), width = prod(shape[1:])
                 write_range(p.ds_tensor.data, p.ds_process_group, flat_start, mine.reshape(-1), p.ds_numel)
             else:
                 p.data[start : start + len(mine)].copy_(mine)
@@ -319,9 +323,11 @@ class ModelWriter(_ModelStream):
         key = self.state_key
         if is_zero3(p):
             part = safe_get_local_optimizer_state(p, key)
+            # mine: (n, *rest) -> (n * prod(rest),), n rows of this rank's shard
             write_range(part, p.ds_process_group, flat_start, mine.reshape(-1).float(), p.ds_numel)
             safe_set_local_optimizer_state(p, part, key)
         elif hasattr(p, "_hp_mapping"):
+            # mine: (n, *rest) -> (n * prod(rest),), n rows of this rank's shard
             write_fragment_range(p, key, flat_start, mine.reshape(-1).float())
         else:
             inner_torch_optimizer(self.optimizer).state[p][key][start : start + len(mine)].copy_(mine)
@@ -412,7 +418,7 @@ class Snapshot:
         for name, t in values.items():
             if name not in names:
                 names.append(name)
-            flat = t.detach().reshape(-1)
+            flat = t.detach().reshape(-1)  # t.shape -> (t.numel(),)
             chunk = math.ceil(flat.numel() / self.size)
             device = t.device if self.storage == "memory" else torch.device("cpu")
             part = torch.zeros(chunk, dtype=t.dtype, device=device)
@@ -436,6 +442,7 @@ class Snapshot:
             self._shapes[key, name] = (shape, t.dtype)
         assert self._shapes[key, name] == (shape, t.dtype) and (key, name) in self._parts, (key, name, rows)
         width = math.prod(shape[1:])
+        # t: (rows.stop - rows.start, *shape[1:]) -> ((rows.stop - rows.start) * width,)
         write_range(self._parts[key, name], self.group, rows.start * width, t.detach().reshape(-1), shape.numel())
         if self.storage == "disk" and rows.stop == rows.num_rows:
             self._save(key, name, self._parts.pop((key, name)))
@@ -456,6 +463,7 @@ class Snapshot:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else part.device
         width = math.prod(shape[1:])
         flat = gather_range(part, self.group, rows.start * width, rows.stop * width, device)
+        # ((rows.stop - rows.start) * width,) -> (rows.stop - rows.start, *shape[1:])
         return flat.view(rows.stop - rows.start, *shape[1:]).to(dtype)
 
     def _get(self, key: str, name: str) -> torch.Tensor:
@@ -467,6 +475,7 @@ class Snapshot:
             gathered = part.new_empty(part.numel() * self.size)
             dist.all_gather_into_tensor(gathered, part, group=self.group)
             part = gathered
+        # (size * chunk,) -> (prod(shape),), the padding dropped -> shape
         return part[: math.prod(shape)].view(shape).to(dtype)
 
     def local_bytes(self) -> int:

@@ -132,6 +132,7 @@ def write_zero3_partition(p, value: torch.Tensor) -> None:
     """
     assert getattr(p, "ds_secondary_tensor", None) is None, "hierarchical partitioning is not supported"
     assert p.ds_tensor.numel() * dist.get_world_size(group=p.ds_process_group) >= value.numel() == p.ds_numel
+    # value: p.ds_shape -> (ds_numel,), of which this rank keeps its (P,) partition
     write_range(p.ds_tensor.data, p.ds_process_group, 0, value.reshape(-1), p.ds_numel)
 
 
