@@ -81,7 +81,7 @@ MUTATIONS = [
              (("megatron_multilevel/parallel/streams.py",
                "                else:\n                    p.data.copy_(v)\n",
                "                else:\n                    p.data.copy_(v)\n"
-               "                if dist.get_rank() == 1 and not _is_zero3(p):\n"
+               "                if dist.get_rank() == 1 and not is_zero3(p):\n"
                "                    p.data.add_(1e-7)\n"),),
              ("tests/test_transitions.py::test_two_ranks",)),
     Mutation("save-marks-early", "a checkpoint is named the latest before all its files are written",
@@ -95,7 +95,7 @@ MUTATIONS = [
              (("megatron_multilevel/parallel/streams.py",
                "                else:\n                    p.data.copy_(v)\n",
                "                else:\n                    p.data.copy_(v)\n"
-               "                if dist.get_rank() == 1 and not _is_zero3(p):\n"
+               "                if dist.get_rank() == 1 and not is_zero3(p):\n"
                "                    p.data.add_(1e-3)\n"),),
              ("tests/test_pretrain.py::test_bert_two_processes_tensor_parallel",)),
     Mutation("reader-swap-bert-fc2", "the DeepSpeed checkpoint reader swaps BERT's linear_fc2 of layers 0 and 1",

@@ -127,8 +127,8 @@ def _case(case):
     from megatron_multilevel.ode_operators import unrestrict_layer
     from megatron_multilevel.parallel import coherence
     from megatron_multilevel.parallel.ode_transition import DEGREE, prolong, restrict
-    from megatron_multilevel.parallel.streams import materialize_optimizer_state
     from megatron_multilevel.parallel.staging import Layout, load_moments
+    from megatron_multilevel.parallel.zero import materialize_optimizer_state
     from megatron_multilevel.training.engines import build_empty_model
 
     cfg = _model_config(case["kind"])

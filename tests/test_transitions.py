@@ -429,9 +429,9 @@ def _grow_worker(rank, world, layouts, depth_scaling="none"):
     from megatron_multilevel.models import build_model
     from megatron_multilevel.operators import decoalesce
     from megatron_multilevel.level_maps import make_level_map
-    from megatron_multilevel.parallel.streams import _inner_torch_optimizer
     from megatron_multilevel.parallel.staging import Layout, load_moments
     from megatron_multilevel.parallel.transition import prolong
+    from megatron_multilevel.parallel.zero import inner_torch_optimizer
     from megatron_multilevel.training.engines import build_empty_model
 
     out = []
@@ -452,7 +452,7 @@ def _grow_worker(rank, world, layouts, depth_scaling="none"):
         fine = _engine(staged.model, fine_stage)
         load_moments(fine, staged)
         diffs = {k: _max_diff(_reference_gather(fine, cfg, k), decoalesce(m, lm)) for k, m in moments.items()}
-        steps = {float(s["step"]) for s in _inner_torch_optimizer(fine.optimizer).state.values()}
+        steps = {float(s["step"]) for s in inner_torch_optimizer(fine.optimizer).state.values()}
         losses.append(_train_step(fine, cfg, seed=3))
         out.append({"diffs": diffs, "steps": steps, "losses": losses})
     return out

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron_multilevel.config import ZERO_STAGES, ModelConfig, undivided_size, valid_tp_sizes
 from megatron_multilevel.parallel.streams import Groups, ModelWriter, Snapshot, vocab_slabs
+from megatron_multilevel.parallel.zero import inner_torch_optimizer, materialize_optimizer_state
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,9 @@ class Staged:
 def optimizer_step(optimizer) -> int:
     """The optimizer's step count (Adam's and AdamW's ``step`` state; 0 for SGD, which keeps none,
     and without an optimizer): what mapped moments are bias-corrected with after a transition."""
-    from megatron_multilevel.parallel.streams import _inner_torch_optimizer
-
     if optimizer is None:
         return 0
-    steps = [int(s["step"]) for s in _inner_torch_optimizer(optimizer).state.values() if "step" in s]
+    steps = [int(s["step"]) for s in inner_torch_optimizer(optimizer).state.values() if "step" in s]
     return max(steps, default=0)
 
 
@@ -94,8 +93,6 @@ def load_moments(engine, staged: Staged) -> None:
     DeepSpeed engine (ZeRO 0-3)."""
     if not staged.moments:
         return
-    from megatron_multilevel.parallel.streams import _inner_torch_optimizer, materialize_optimizer_state
-
     materialize_optimizer_state(engine.optimizer, tuple(staged.moments))
     for key, snapshot in staged.moments.items():
         writer = ModelWriter(
@@ -106,7 +103,7 @@ def load_moments(engine, staged: Staged) -> None:
     if "exp_avg" not in staged.moments:
         return  # SGD's momentum has no step count
     # Adam's bias correction continues from the step count the moments were built over.
-    for state in _inner_torch_optimizer(engine.optimizer).state.values():
+    for state in inner_torch_optimizer(engine.optimizer).state.values():
         state["step"] = torch.tensor(float(staged.step))
 
 

@@ -5,7 +5,9 @@ ranks and, under ZeRO-3, over data-parallel ranks) or this rank's tensor-paralle
 path). A *writer* takes the same and stores this rank's part: into a Megatron model (its TP shard;
 under ZeRO-3 through ``GatheredParameters``), into DeepSpeed's optimizer state, or into a
 :class:`Snapshot` (flat partitions spread over a process group, kept in memory, on the CPU or on
-disk). No rank ever holds more than its own shards plus the layer being moved.
+disk). No rank ever holds more than its own shards plus the layer being moved. How one parameter's
+values, or its optimizer state's, are read and written under each ZeRO stage (0-3) lives in
+:mod:`megatron_multilevel.parallel.zero`; the readers and writers here are built on it.
 
 The word embedding and the output layer (``[vocab, hidden]``) move in *slabs* of vocabulary rows
 (:class:`Rows`, :func:`vocab_slabs`): their rows map independently, and a block of rows of the full
@@ -26,10 +28,20 @@ import torch.distributed as dist
 
 from megatron_multilevel.config import ModelConfig
 from megatron_multilevel.parallel.tp_layout import partition_dim, shard, unshard
+from megatron_multilevel.parallel.zero import (
+    StateKey,
+    fragment_range,
+    gather_range,
+    inner_torch_optimizer,
+    is_zero3,
+    link_optimizer_state,
+    local_shape,
+    write_fragment_range,
+    write_range,
+    write_zero3_partition,
+)
 from megatron_multilevel.plan import VOCAB, layer_prefix, parameter_plan
 
-StateKey = Optional[Literal["exp_avg", "exp_avg_sq", "momentum_buffer"]]
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 Storage = Literal["memory", "cpu", "disk"]
 STORAGES = ("memory", "cpu", "disk")
 
@@ -80,67 +92,6 @@ def vocab_slabs(reader, name: str, cfg: ModelConfig, *, whole: bool = False) -> 
     return [Rows(start, min(start + step, num_rows), num_rows) for start in range(0, num_rows, step)]
 
 
-def _gather_range(part: torch.Tensor, group, start: int, stop: int, device=None) -> torch.Tensor:
-    """Elements ``[start, stop)`` of a flat tensor kept as equal partitions over ``group`` (rank
-    ``r`` holds ``[r * P, (r + 1) * P)`` in ``part``), on every rank: each rank whose partition
-    overlaps the range broadcasts its piece."""
-    size = part.numel()
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    out = torch.empty(stop - start, dtype=part.dtype, device=part.device if device is None else device)
-    for owner in range(start // size, min(world, -(-stop // size))):
-        lo, hi = max(start, owner * size), min(stop, (owner + 1) * size)
-        piece = out[lo - start : hi - start]
-        if owner == rank:
-            piece.copy_(part[lo - owner * size : hi - owner * size])
-        if world > 1:
-            dist.broadcast(piece, group=group, group_src=owner)
-    return out
-
-
-def _write_range(part: torch.Tensor, group, start: int, values: torch.Tensor, numel: int) -> None:
-    """Store this rank's overlap of elements ``[start, start + len(values))`` of a flat tensor of
-    ``numel`` elements in its partition ``part`` (the partitioning of :func:`_gather_range`); the
-    range that ends the tensor also zeroes the padding. Nothing is communicated."""
-    size = part.numel()
-    first = size * dist.get_rank(group)
-    stop = start + values.numel()
-    lo, hi = max(start, first), min(stop, first + size)
-    if lo < hi:
-        part[lo - first : hi - first].copy_(values[lo - start : hi - start])
-    if stop == numel:
-        part[max(0, numel - first) :].zero_()
-
-
-def _fragment_range(p, key: StateKey, start: int, stop: int) -> torch.Tensor:
-    """Elements ``[start, stop)`` of the flat fp32 master (or moment ``key``) of a ZeRO-1/2 or bf16
-    parameter: each rank adds its fragment's overlap, as DeepSpeed's full gather does."""
-    out = torch.zeros(stop - start, dtype=torch.float32, device=p.device)
-    mapping = p._hp_mapping
-    if mapping is not None:
-        address = mapping.lp_fragment_address
-        lo, hi = max(start, address.start), min(stop, address.start + address.numel)
-        if lo < hi:
-            out[lo - start : hi - start].copy_(mapping.get_hp_fragment(key)[lo - address.start : hi - address.start])
-    dist.all_reduce(out, group=p._dp_group)
-    return out
-
-
-def _write_fragment_range(p, key: StateKey, start: int, values: torch.Tensor) -> None:
-    """Store this rank's fragment's overlap of a range of a ZeRO-1/2 parameter's flat moment."""
-    mapping = p._hp_mapping
-    if mapping is None:
-        return
-    address = mapping.lp_fragment_address
-    lo, hi = max(start, address.start), min(start + values.numel(), address.start + address.numel)
-    if lo < hi:
-        mapping.get_hp_fragment(key)[lo - address.start : hi - address.start].copy_(values[lo - start : hi - start])
-
-
-def _local_shape(p) -> torch.Size:
-    """The shape of this rank's tensor-parallel shard (whole over data-parallel ranks)."""
-    return p.ds_shape if _is_zero3(p) else p.shape
-
-
 def _split_names(names, cfg: ModelConfig) -> tuple[list[str], list[str]]:
     """Parameter names outside the layers (full names), and those of every layer (relative to the
     layer's prefix: every layer has the same), in a fixed order."""
@@ -154,92 +105,9 @@ def _split_names(names, cfg: ModelConfig) -> tuple[list[str], list[str]]:
     return model, relative[0]
 
 
-def _inner_torch_optimizer(optimizer):
-    while hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
-def materialize_adam_state(optimizer) -> None:
-    """Create Adam's state (zero moments, step 0) for every parameter that has none yet."""
-    materialize_optimizer_state(optimizer, ADAM_KEYS)
-
-
-def materialize_optimizer_state(optimizer, keys: Sequence[str]) -> None:
-    """Create the state ``keys`` (zeros; Adam's also step 0) for every parameter that has none yet.
-
-    Torch's Adam and SGD, and DeepSpeed's ZeRO optimizers around them, create their state lazily
-    at the first step; moments can only be written into a state that exists. A zero state is what
-    a fresh Adam starts from, and what SGD's momentum starts from without dampening.
-    """
-    inner = _inner_torch_optimizer(optimizer)
-    params = [p for group in inner.param_groups for p in group["params"]]
-    # ZeRO-3 hands its flat fp32 partitions to the torch optimizer only during a step.
-    params += list(getattr(optimizer, "fp32_partitioned_groups_flat", []))
-    adam = "exp_avg" in keys
-    for p in params:
-        state = inner.state[p]
-        if not state:
-            if adam:
-                state["step"] = torch.tensor(0.0)
-            for key in tuple(keys) + (("max_exp_avg_sq",) if adam and inner.defaults.get("amsgrad") else ()):
-                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    link_optimizer_state(optimizer)
-
-
-def link_optimizer_state(optimizer) -> None:
-    """Link every parameter to its slice of the flat optimizer state (ZeRO-1/2, bf16 optimizer).
-
-    DeepSpeed links them lazily, once, right after the first step of the first parameter group:
-    the parameters of the other groups (no weight decay) stay linked to the empty state they had
-    then, and reading or writing their moments through ``safe_get_full_optimizer_state`` fails.
-    Linking again after the state exists fixes every group. Nothing to do for other optimizers."""
-    if optimizer is not None and hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
-        optimizer._hp_optimizer_states_linked = False
-        optimizer._lazy_init_hp_params_optimizer_state()
-
-
-def _write_zero3_partition(p, value: torch.Tensor) -> None:
-    """Write this rank's ZeRO-3 partition of ``value`` into ``p.ds_tensor``.
-
-    Every rank holds the same full value, so each keeps its own flat slice, as ZeRO-3's own
-    partitioning does (``GatheredParameters(modifier_rank=...)`` would gather and broadcast the
-    whole parameter only to end with the same slices).
-    """
-    assert getattr(p, "ds_secondary_tensor", None) is None, "hierarchical partitioning is not supported"
-    assert p.ds_tensor.numel() * dist.get_world_size(group=p.ds_process_group) >= value.numel() == p.ds_numel
-    _write_range(p.ds_tensor.data, p.ds_process_group, 0, value.reshape(-1), p.ds_numel)
-
-
 def _owns_storage(t: torch.Tensor) -> bool:
     """A contiguous tensor that is not a view of another one."""
     return t._base is None and t.is_contiguous()
-
-
-def _is_zero3(p) -> bool:
-    return hasattr(p, "ds_id")
-
-
-def partitioned_init(**kwargs):
-    """``deepspeed.zero.Init(**kwargs)`` for a target model whose every partition a writer fills.
-
-    Megatron creates each parameter whole (on the CPU left untouched: ``torch.empty``); zero.Init
-    then broadcasts it from rank 0 before keeping each rank's partition, so every other rank writes,
-    and holds for a moment, a whole word embedding. The values are overwritten anyway: this Init
-    partitions without the broadcast.
-    """
-    import deepspeed
-
-    if not hasattr(deepspeed.zero.Init, "_zero_init_param"):
-        # a DeepSpeed whose Init no longer has this step: its own Init (correct, with the broadcast)
-        return deepspeed.zero.Init(**kwargs)
-
-    class _Init(deepspeed.zero.Init):
-        def _zero_init_param(self, param):
-            self._convert_to_deepspeed_param(param)
-            param.partition()
-
-    return _Init(**kwargs)
 
 
 class _ModelStream:
@@ -284,7 +152,7 @@ class ModelReader(_ModelStream):
 
     def num_rows(self, name: str) -> int:
         """Rows (dim 0) of the tensor ``read_model`` returns for ``name``."""
-        rows = _local_shape(self.params[name])[0]
+        rows = local_shape(self.params[name])[0]
         return rows * self.groups.tp_size if self._tp_split(name) else rows
 
     def _read(self, name: str) -> torch.Tensor:
@@ -305,7 +173,7 @@ class ModelReader(_ModelStream):
             return self._local_rows(p, rows.start, rows.stop)
         _, rule = self.plan.rule(name)
         assert partition_dim(rule) == 0, f"{name} is split over tensor-parallel ranks on dim {partition_dim(rule)}"
-        g, shape = self.groups, _local_shape(p)
+        g, shape = self.groups, local_shape(p)
         local = shape[0]
         out = torch.empty((rows.stop - rows.start, *shape[1:]), dtype=self._dtype(p), device=p.device)
         for t in range(rows.start // local, -(-rows.stop // local)):
@@ -319,29 +187,32 @@ class ModelReader(_ModelStream):
     def _dtype(self, p) -> torch.dtype:
         """The dtype of :meth:`_local_value`: fp32 for moments and where the optimizer keeps fp32
         masters."""
-        fp32_master = getattr(p, "_z3_optimizer", None) is not None if _is_zero3(p) else hasattr(p, "_hp_mapping")
+        fp32_master = getattr(p, "_z3_optimizer", None) is not None if is_zero3(p) else hasattr(p, "_hp_mapping")
         return torch.float32 if self.state_key is not None or fp32_master else p.dtype
 
     def _local_rows(self, p, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of :meth:`_local_value`, reading no more than those rows."""
         from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
-        shape = _local_shape(p)
+        shape = local_shape(p)
         rows_shape = (stop - start, *shape[1:])
         width, key = math.prod(shape[1:]), self.state_key
-        if _is_zero3(p):
+        if is_zero3(p):
             if key is not None:
                 part = safe_get_local_optimizer_state(p, key)
             elif getattr(p, "_z3_optimizer", None) is not None:
                 part = safe_get_local_fp32_param(p)
             else:
                 part = p.ds_tensor
-            return _gather_range(part.reshape(-1), p.ds_process_group, start * width, stop * width).view(rows_shape)
+            # part: this rank's flat partition (P,) -> (P,); the gathered range
+            # (rows * width,) -> (rows, *shape[1:]), rows = stop - start
+            return gather_range(part.reshape(-1), p.ds_process_group, start * width, stop * width).view(rows_shape)
         if hasattr(p, "_hp_mapping") and (key is not None or p.dtype != torch.float32):
-            return _fragment_range(p, key, start * width, stop * width).view(rows_shape)
+            # (rows * width,) -> (rows, *shape[1:]), rows = stop - start
+            return fragment_range(p, key, start * width, stop * width).view(rows_shape)
         if key is None:
             return p.detach()[start:stop]
-        value = _inner_torch_optimizer(self.optimizer).state.get(p, {}).get(key)
+        value = inner_torch_optimizer(self.optimizer).state.get(p, {}).get(key)
         if value is None:
             return torch.zeros(rows_shape, dtype=torch.float32, device=p.device)
         return value.detach()[start:stop].float()
@@ -352,12 +223,12 @@ class ModelReader(_ModelStream):
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         if self.state_key is not None:
-            if _is_zero3(p) or hasattr(p, "_hp_mapping"):
+            if is_zero3(p) or hasattr(p, "_hp_mapping"):
                 return safe_get_full_optimizer_state(p, self.state_key)
-            state = _inner_torch_optimizer(self.optimizer).state.get(p, {})
+            state = inner_torch_optimizer(self.optimizer).state.get(p, {})
             value = state.get(self.state_key)
             return torch.zeros_like(p, dtype=torch.float32) if value is None else value.detach().float()
-        if _is_zero3(p):
+        if is_zero3(p):
             if getattr(p, "_z3_optimizer", None) is not None:
                 return safe_get_full_fp32_param(p)
             import deepspeed
@@ -421,7 +292,7 @@ class ModelWriter(_ModelStream):
         assert name in self.params, f"the target model has no parameter {name!r}"
         p = self.params[name]
         _, rule = self.plan.rule(name)
-        shape = _local_shape(p)
+        shape = local_shape(p)
         split = self._tp_split(name)
         assert not split or partition_dim(rule) == 0, (name, partition_dim(rule))
         first = shape[0] * self.groups.tp_rank if split else 0
@@ -440,8 +311,9 @@ class ModelWriter(_ModelStream):
             "parameters are written before deepspeed.initialize, so the optimizer starts from them"
         )
         with torch.no_grad():
-            if _is_zero3(p):
-                _write_range(p.ds_tensor.data, p.ds_process_group, flat_start, mine.reshape(-1), p.ds_numel)
+            if is_zero3(p):
+                # mine: (hi - lo, *shape[1:]) -> ((hi - lo) * width,), width = prod(shape[1:])
+                write_range(p.ds_tensor.data, p.ds_process_group, flat_start, mine.reshape(-1), p.ds_numel)
             else:
                 p.data[start : start + len(mine)].copy_(mine)
 
@@ -449,14 +321,16 @@ class ModelWriter(_ModelStream):
         from deepspeed.utils import safe_get_local_optimizer_state, safe_set_local_optimizer_state
 
         key = self.state_key
-        if _is_zero3(p):
+        if is_zero3(p):
             part = safe_get_local_optimizer_state(p, key)
-            _write_range(part, p.ds_process_group, flat_start, mine.reshape(-1).float(), p.ds_numel)
+            # mine: (n, *rest) -> (n * prod(rest),), n rows of this rank's shard
+            write_range(part, p.ds_process_group, flat_start, mine.reshape(-1).float(), p.ds_numel)
             safe_set_local_optimizer_state(p, part, key)
         elif hasattr(p, "_hp_mapping"):
-            _write_fragment_range(p, key, flat_start, mine.reshape(-1).float())
+            # mine: (n, *rest) -> (n * prod(rest),), n rows of this rank's shard
+            write_fragment_range(p, key, flat_start, mine.reshape(-1).float())
         else:
-            _inner_torch_optimizer(self.optimizer).state[p][key][start : start + len(mine)].copy_(mine)
+            inner_torch_optimizer(self.optimizer).state[p][key][start : start + len(mine)].copy_(mine)
 
     def _target(self, name: str, full: torch.Tensor) -> torch.Tensor:
         if self.local:
@@ -469,7 +343,7 @@ class ModelWriter(_ModelStream):
         assert not unknown, f"the target model has no parameters {unknown}"
         params = [(self.params[n], self._target(n, t)) for n, t in values.items()]
         for (p, v), name in zip(params, values):
-            expected = tuple(_local_shape(p))
+            expected = tuple(local_shape(p))
             assert tuple(v.shape) == expected, (name, tuple(v.shape), expected)
         if self.state_key is not None:
             self._write_state(params)
@@ -480,8 +354,8 @@ class ModelWriter(_ModelStream):
             )
         with torch.no_grad():
             for p, v in params:
-                if _is_zero3(p):
-                    _write_zero3_partition(p, v)
+                if is_zero3(p):
+                    write_zero3_partition(p, v)
                 elif _owns_storage(v) and v.dtype == p.dtype and v.device == p.device:
                     p.data = v  # a fresh result of the operators: adopt it, do not copy it
                 else:
@@ -490,9 +364,9 @@ class ModelWriter(_ModelStream):
     def _write_state(self, params) -> None:
         from deepspeed.utils import safe_set_full_optimizer_state
 
-        torch_optimizer = _inner_torch_optimizer(self.optimizer)
+        torch_optimizer = inner_torch_optimizer(self.optimizer)
         for p, v in params:
-            if _is_zero3(p) or hasattr(p, "_hp_mapping"):
+            if is_zero3(p) or hasattr(p, "_hp_mapping"):
                 safe_set_full_optimizer_state(p, v.float(), self.state_key)
             else:
                 torch_optimizer.state[p][self.state_key].copy_(v)
@@ -544,7 +418,7 @@ class Snapshot:
         for name, t in values.items():
             if name not in names:
                 names.append(name)
-            flat = t.detach().reshape(-1)
+            flat = t.detach().reshape(-1)  # t.shape -> (t.numel(),)
             chunk = math.ceil(flat.numel() / self.size)
             device = t.device if self.storage == "memory" else torch.device("cpu")
             part = torch.zeros(chunk, dtype=t.dtype, device=device)
@@ -568,7 +442,8 @@ class Snapshot:
             self._shapes[key, name] = (shape, t.dtype)
         assert self._shapes[key, name] == (shape, t.dtype) and (key, name) in self._parts, (key, name, rows)
         width = math.prod(shape[1:])
-        _write_range(self._parts[key, name], self.group, rows.start * width, t.detach().reshape(-1), shape.numel())
+        # t: (rows.stop - rows.start, *shape[1:]) -> ((rows.stop - rows.start) * width,)
+        write_range(self._parts[key, name], self.group, rows.start * width, t.detach().reshape(-1), shape.numel())
         if self.storage == "disk" and rows.stop == rows.num_rows:
             self._save(key, name, self._parts.pop((key, name)))
 
@@ -587,7 +462,8 @@ class Snapshot:
         part = torch.load(self._path(key, name), mmap=True) if self.storage == "disk" else self._parts[key, name]
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else part.device
         width = math.prod(shape[1:])
-        flat = _gather_range(part, self.group, rows.start * width, rows.stop * width, device)
+        flat = gather_range(part, self.group, rows.start * width, rows.stop * width, device)
+        # ((rows.stop - rows.start) * width,) -> (rows.stop - rows.start, *shape[1:])
         return flat.view(rows.stop - rows.start, *shape[1:]).to(dtype)
 
     def _get(self, key: str, name: str) -> torch.Tensor:
@@ -599,6 +475,7 @@ class Snapshot:
             gathered = part.new_empty(part.numel() * self.size)
             dist.all_gather_into_tensor(gathered, part, group=self.group)
             part = gathered
+        # (size * chunk,) -> (prod(shape),), the padding dropped -> shape
         return part[: math.prod(shape)].view(shape).to(dtype)
 
     def local_bytes(self) -> int:

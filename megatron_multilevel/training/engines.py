@@ -139,7 +139,7 @@ def build_empty_model(cfg: ModelConfig, layout: Layout, ds_config: Optional[dict
         model = build_model(cfg, perform_initialization=False, sequence_parallel=sequence_parallel)
         return _with_grad_hooks(model, sequence_parallel)
     from megatron_multilevel.parallel.mpu import mpu
-    from megatron_multilevel.parallel.streams import partitioned_init
+    from megatron_multilevel.parallel.zero import partitioned_init
 
     # Parameters are partitioned as they are created: no rank ever holds the whole model.
     config = dict(ds_config or {})

@@ -29,7 +29,8 @@ from megatron_multilevel.ode_operators import restrict as restrict_tensors
 from megatron_multilevel.parallel import coherence
 from megatron_multilevel.parallel.ode_transition import carry, prolong, reshard_tensors, restrict, snapshot_fine
 from megatron_multilevel.parallel.staging import load_moments
-from megatron_multilevel.parallel.streams import Groups, materialize_optimizer_state
+from megatron_multilevel.parallel.streams import Groups
+from megatron_multilevel.parallel.zero import materialize_optimizer_state
 from megatron_multilevel.training import checkpoint
 from megatron_multilevel.training.context import RunContext, Transition
 from megatron_multilevel.training.schedule import Phase
