@@ -19,6 +19,7 @@ from typing import Literal, Optional
 import torch
 
 from megatron_multilevel.config import ModelConfig, RunConfig, coarse_model_config, undivided_size, valid_tp_sizes
+from megatron_multilevel.config.parsing import parse_dataclass
 
 Pairing = Literal["halves", "adjacent"]
 PAIRINGS = ("halves", "adjacent")
@@ -278,8 +279,6 @@ class LevelMap:
             raise ValueError(f"level map: expected keys {sorted(expected)}, got {got}")
         if data["format"] != FORMAT_VERSION:
             raise ValueError(f"level map: unsupported format {data['format']!r}")
-        from megatron_multilevel.config.parsing import parse_dataclass
-
         groupings = {}
         for name in ("hidden", "query_groups", "ffn", "layers"):
             try:
@@ -435,7 +434,5 @@ class LayerSelection:
         expected = {"format", "strategy", "fine", "parity", "residual_scale"}
         if not isinstance(data, dict) or set(data) != expected or data["strategy"] != "ode":
             raise ValueError(f"layer selection: expected keys {sorted(expected)} with strategy 'ode'")
-        from megatron_multilevel.config.parsing import parse_dataclass
-
         return cls(parse_dataclass(ModelConfig, data["fine"], "layer_selection.fine"), data["parity"],
                    data["residual_scale"])

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from megatron_multilevel.config import ModelConfig, check_sequence_parallel_supported
 from megatron_multilevel.cpu_shims import apply_cpu_shims
+from megatron_multilevel.parallel.tp_layout import partition_dim
+from megatron_multilevel.plan import is_metadata, parameter_plan
 
 
 ACTIVATIONS = {
@@ -109,9 +111,6 @@ def _set_tensor_parallel_attributes(model: torch.nn.Module, cfg: ModelConfig) ->
     """Megatron marks tensor-parallel parameters (``tensor_model_parallel``, ``partition_dim``)
     only while initialising them; without initialisation, mark them from the plan."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-    from megatron_multilevel.parallel.tp_layout import partition_dim
-    from megatron_multilevel.plan import parameter_plan
 
     plan = parameter_plan(cfg)
     for name, p in model.named_parameters():
@@ -211,8 +210,6 @@ def load_parameters(model: torch.nn.Module, state_dict: dict) -> None:
 
     ``_extra_state`` entries (layer metadata, not parameters) keep the model's own values.
     """
-    from megatron_multilevel.plan import is_metadata
-
     result = model.load_state_dict(state_dict, strict=False)
     missing = [k for k in result.missing_keys if not is_metadata(k)]
     if missing or result.unexpected_keys:
@@ -224,8 +221,6 @@ def load_parameters(model: torch.nn.Module, state_dict: dict) -> None:
 
 def parameter_state_dict(model: torch.nn.Module) -> dict:
     """The model's parameters by name, detached (no ``_extra_state``)."""
-    from megatron_multilevel.plan import is_metadata
-
     return {k: v.detach() for k, v in model.state_dict().items() if not is_metadata(k)}
 
 

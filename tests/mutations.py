@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SKIP = shutil.ignore_patterns(".git", ".venv*", ".cache", "runs", "benchmarks", "__pycache__", ".pytest_cache",
                               "*.egg-info")
 TRAINER = "megatron_multilevel/training/trainer.py"
+COALESCE = "megatron_multilevel/training/coalesce_cycle.py"
 FLOPS = "megatron_multilevel/flops.py"
 READER = "megatron_multilevel/checkpoints/deepspeed_reader.py"
 CHECKPOINT = "megatron_multilevel/training/checkpoint.py"
@@ -44,18 +45,18 @@ class Mutation:
 
 MUTATIONS = [
     Mutation("trainer-alpha", "(a) the trainer interpolates with alpha 1.0 whatever the config says",
-             ((TRAINER, "alpha = 1.0 if before is None else ml.alpha_of(nxt.level)", "alpha = 1.0"),),
+             ((COALESCE, "alpha = 1.0 if before is None else ml.alpha_of(nxt.level)", "alpha = 1.0"),),
              tuple(TRANSITIONS)),
     Mutation("trainer-global-alpha", "the trainer uses the global alpha, not each level's",
-             ((TRAINER, "alpha = 1.0 if before is None else ml.alpha_of(nxt.level)",
+             ((COALESCE, "alpha = 1.0 if before is None else ml.alpha_of(nxt.level)",
                "alpha = 1.0 if before is None else ml.alpha"),),
              tuple(TRANSITIONS)),
     Mutation("trainer-map", "(b) the trainer ignores optimizer_state 'map'",
-             ((TRAINER, 'mapped = ml.optimizer_state == "map"\n        old = self.engine',
-               "mapped = False\n        old = self.engine"),),
+             ((COALESCE, "mapped = self._mapped_state()\n        old = release()",
+               "mapped = ()\n        old = release()"),),
              tuple(TRANSITIONS)),
     Mutation("trainer-perturbation", "(b) perturbation_std is never applied",
-             ((TRAINER, "perturbation_std=ml.perturbation_std,", "perturbation_std=0.0,"),),
+             ((COALESCE, "perturbation_std=ml.perturbation_std,", "perturbation_std=0.0,"),),
              tuple(TRANSITIONS)),
     Mutation("flops-output-and-attention", "(c) FLOPs drop the output layer and halve attention",
              ((FLOPS, "total = cfg.num_layers * (qkv + attn * h + mlp) + cfg.vocab_size * h",

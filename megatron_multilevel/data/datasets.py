@@ -17,6 +17,7 @@ import numpy
 import torch
 
 from megatron_multilevel.config import RunConfig
+from megatron_multilevel.data.corpus import default_corpus
 from megatron_multilevel.data.preprocess import META_SUFFIX
 from megatron_multilevel.data.tokenizer import load_tokenizer
 
@@ -40,8 +41,6 @@ class DataSources:
 def resolve_data(cfg: RunConfig) -> DataSources:
     """The configured dataset or blend, or the embedded corpus (prepared once per cache
     directory). Raises ``ValueError`` naming a missing file."""
-    from megatron_multilevel.data.corpus import default_corpus
-
     if cfg.data.prefix is None and cfg.data.blend is None:
         prefix, model = default_corpus(cfg.data.cache_dir, vocab_size=cfg.model.vocab_size, kind=cfg.model.kind)
         return DataSources([prefix], None, model)

@@ -19,7 +19,7 @@ import tempfile
 
 import torch.distributed as dist
 
-from megatron_multilevel.config import RunConfig, config_to_dict, load_config
+from megatron_multilevel.config import RunConfig, config_to_dict, deep_merge, load_config
 from megatron_multilevel.flops import flops_per_token
 from megatron_multilevel.study.savings import run_savings
 from megatron_multilevel.training.metrics import read_metrics
@@ -39,8 +39,6 @@ def baseline_config(cfg: RunConfig) -> RunConfig:
     whatever level: an F-cycle's fine phases come after growth and need none) and the decay of the
     run's last fine phase (the anneal it ends with: an ODE run's fine phases in the cycles are
     constant)."""
-    from megatron_multilevel.config import deep_merge
-
     if not cfg.multilevel.enabled:
         raise ValueError("--with-baseline compares a multilevel run with training from scratch, and "
                          "multilevel.enabled is false; drop --with-baseline")

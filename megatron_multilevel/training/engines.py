@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_multilevel.config import ModelConfig, RunConfig, optimizer_state_keys
-from megatron_multilevel.distributed import set_tensor_model_parallel_size
+from megatron_multilevel.distributed import default_backend, set_tensor_model_parallel_size
 from megatron_multilevel.models import build_model
 from megatron_multilevel.parallel.sequence_parallel import register_sequence_parallel_grad_hooks
 from megatron_multilevel.parallel.staging import Layout
@@ -84,7 +84,6 @@ class LevelEngines:
         import deepspeed
         from megatron.core import parallel_state
 
-        from megatron_multilevel.distributed import default_backend
         from megatron_multilevel.parallel.mpu import mpu
 
         # zero.Init reads the world through deepspeed.comm, which deepspeed.initialize sets up; before
