@@ -20,7 +20,7 @@ from megatron_multilevel.config import config_to_dict, load_config
 def init_run(src: str, config_path: str, out: str, *, overwrite: bool = False) -> None:
     from megatron_multilevel.checkpoints.convert import load_source
     from megatron_multilevel.level_maps import run_level_maps
-    from megatron_multilevel.checkpoints.reshard import _rank_worker
+    from megatron_multilevel.checkpoints.reshard import rank_worker
     from megatron_multilevel.parallel.spawn import run_ranks
     from megatron_multilevel.training.checkpoint import RunState
     from megatron_multilevel.training.schedule import build_phases, schedule_signature
@@ -51,7 +51,7 @@ def init_run(src: str, config_path: str, out: str, *, overwrite: bool = False) -
     tokens = verify.fixed_tokens(source.model)
     tp = cfg.level_tp_sizes()[0]
     os.makedirs(out, exist_ok=True)
-    logits = run_ranks(_rank_worker, tp, config_to_dict(cfg), os.path.abspath(out), [item], tokens,
+    logits = run_ranks(rank_worker, tp, config_to_dict(cfg), os.path.abspath(out), [item], tokens,
                        tensor_model_parallel_size=tp)[0]
     ok = verify.compare([("source", f"the run's first checkpoint, loaded as the trainer does (TP={tp})",
                           verify.logits_full(source.tensors, source.model, tokens), logits)])

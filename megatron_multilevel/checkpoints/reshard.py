@@ -34,9 +34,15 @@ def _copy_extra(source: str, target: str) -> None:
         shutil.copy(os.path.join(source, FILE), os.path.join(target, FILE))
 
 
-def _rank_worker(rank, world, config_dict, out, items, tokens):
-    """Write every item's tensors in the new layout and save it; return the latest's logits as the
-    trainer would see them after loading."""
+def rank_worker(rank, world, config_dict, out, items, tokens):
+    """One rank's part of writing checkpoints into the run directory ``out`` in the layout of the
+    run config ``config_dict`` (``run_ranks`` runs it on every rank).
+
+    Each of ``items`` (a dict: full ``tensors``, the sidecar's ``state`` and other entries ``meta``,
+    the source checkpoint's ``path`` whose layout-free files are copied along, and ``latest``) is
+    saved with a fresh optimizer and the learning-rate schedule at its step. The latest is then
+    loaded the way the trainer loads it; its logits on ``tokens``, gathered over the vocabulary
+    shards, are returned (``None`` without a latest item)."""
     from megatron_multilevel.parallel.streams import Groups, ModelWriter, TensorsReader
     from megatron_multilevel.parallel.transition import _copy_stream
     from megatron_multilevel.training import checkpoint
@@ -101,7 +107,7 @@ def reshard(src: str, out: str, *, target_tp: int, overwrite: bool = False) -> N
     from megatron_multilevel.parallel.spawn import run_ranks
 
     payload = [{k: v for k, v in item.items() if k != "model"} for item in items]
-    logits = run_ranks(_rank_worker, target_tp, config_to_dict(parsed), os.path.abspath(out), payload, tokens,
+    logits = run_ranks(rank_worker, target_tp, config_to_dict(parsed), os.path.abspath(out), payload, tokens,
                        tensor_model_parallel_size=parsed.level_tp_sizes()[0])[0]
     ok = verify.compare([("consolidated (TP=1)", f"resharded, loaded as the trainer does (TP={target_tp})",
                           full_logits, logits)])
