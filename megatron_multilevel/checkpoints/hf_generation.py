@@ -28,14 +28,10 @@ def write_tokenizer(tokenizer: str, out: str) -> None:
 def greedy_continuation(tensors: dict, cfg: ModelConfig, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     """The ``n`` tokens a Megatron GPT picks greedily after ``ids``, and the margin of each pick
     (top logit minus the runner-up: a tie is within float rounding of two implementations)."""
-    from megatron_multilevel.distributed import init_single_process, set_tensor_model_parallel_size
-    from megatron_multilevel.models import build_model, load_parameters, model_logits
+    from megatron_multilevel.checkpoints.verify import single_process_model
+    from megatron_multilevel.models import model_logits
 
-    init_single_process()
-    set_tensor_model_parallel_size(1)
-    model = build_model(cfg, perform_initialization=False)
-    load_parameters(model, tensors)
-    model.eval()
+    model = single_process_model(tensors, cfg)
     out, margins = list(ids), []
     with torch.no_grad():
         for _ in range(n):

@@ -17,16 +17,23 @@ def fixed_tokens(cfg: ModelConfig) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (2, seq), generator=torch.Generator().manual_seed(1234))
 
 
-def logits_full(tensors: dict, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of full tensors in a TP=1 Megatron model, in this process."""
+def single_process_model(tensors: dict, cfg: ModelConfig) -> torch.nn.Module:
+    """A TP=1 Megatron model of ``cfg`` holding the full ``tensors``, in this process, in eval mode."""
     from megatron_multilevel.distributed import init_single_process, set_tensor_model_parallel_size
-    from megatron_multilevel.models import build_model, load_parameters, model_logits
+    from megatron_multilevel.models import build_model, load_parameters
 
     init_single_process()
     set_tensor_model_parallel_size(1)
     model = build_model(cfg, perform_initialization=False)
     load_parameters(model, tensors)
-    model.eval()
+    return model.eval()
+
+
+def logits_full(tensors: dict, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of full tensors in a TP=1 Megatron model, in this process."""
+    from megatron_multilevel.models import model_logits
+
+    model = single_process_model(tensors, cfg)
     with torch.no_grad():
         return model_logits(model, cfg, tokens).float()
 
