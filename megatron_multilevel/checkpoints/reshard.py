@@ -10,7 +10,6 @@ with the consolidated model's.
 
 import copy
 import functools
-import json
 import os
 import shutil
 
@@ -109,13 +108,8 @@ def reshard(src: str, out: str, *, target_tp: int, overwrite: bool = False) -> N
     payload = [{k: v for k, v in item.items() if k != "model"} for item in items]
     logits = run_ranks(rank_worker, target_tp, config_to_dict(parsed), os.path.abspath(out), payload, tokens,
                        tensor_model_parallel_size=parsed.level_tp_sizes()[0])[0]
-    ok = verify.compare([("consolidated (TP=1)", f"resharded, loaded as the trainer does (TP={target_tp})",
-                          full_logits, logits)])
-    if not ok:
-        shutil.rmtree(out, ignore_errors=True)
-        raise RuntimeError("verification failed: the resharded checkpoint's logits differ")
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config_to_dict(parsed), f, indent=1)
+    verify.finish_run(out, parsed, [("consolidated (TP=1)", f"resharded, loaded as the trainer does (TP={target_tp})",
+                                     full_logits, logits)], "the resharded checkpoint's logits differ")
     if os.path.exists(os.path.join(src, METRICS_FILE)):  # the run's history continues in the new directory
         shutil.copy(os.path.join(src, METRICS_FILE), os.path.join(out, METRICS_FILE))
     print(f"wrote {out}: {len(tags)} checkpoint(s) at TP={target_tp}; continue with\n"

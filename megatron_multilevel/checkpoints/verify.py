@@ -1,10 +1,13 @@
 """Self-checks of checkpoint conversions: exact tensor round trips and logits on a fixed input."""
 
+import json
+import os
+import shutil
 from typing import Optional
 
 import torch
 
-from megatron_multilevel.config import ModelConfig
+from megatron_multilevel.config import ModelConfig, RunConfig, config_to_dict
 from megatron_multilevel.config_parsing import parse_dataclass
 
 # Logits of the same weights computed two ways agree to float rounding; anything above this is a
@@ -89,6 +92,17 @@ def compare(rows: list[tuple[str, str, torch.Tensor, torch.Tensor]], *, required
         note = "" if needed else " (information)"
         print(f"| {a_name} | {b_name} | {diff.max().item():.2e}{note} | {diff.mean().item():.2e} | {top1:.1%} |")
     return ok
+
+
+def finish_run(out: str, cfg: RunConfig, rows: list[tuple[str, str, torch.Tensor, torch.Tensor]], what: str) -> None:
+    """Keep the run directory ``out`` only if its logits agree: compare ``rows`` (as ``compare``);
+    if they agree, write the run's ``config.json`` (the file to launch it with), else remove ``out``
+    and raise ``RuntimeError("verification failed: <what>")``."""
+    if not compare(rows):
+        shutil.rmtree(out, ignore_errors=True)
+        raise RuntimeError(f"verification failed: {what}")
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config_to_dict(cfg), f, indent=1)
 
 
 def mismatched(a: dict, b: dict) -> list[str]:
