@@ -56,7 +56,7 @@ def gathered_logits(model, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tens
         return local
     parts = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(parts, local, group=ps.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=-1)  # tp x (b, s, vocab / tp) -> (b, s, vocab), the ranks' shards in order
 
 
 def _layout_worker(rank, world, shards, model_dict, tokens):
