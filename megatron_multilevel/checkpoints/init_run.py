@@ -12,18 +12,17 @@ import json
 import os
 
 from megatron_multilevel.checkpoints import verify
+from megatron_multilevel.checkpoints.convert import load_source
 from megatron_multilevel.checkpoints.full import prepare_output
+from megatron_multilevel.checkpoints.reshard import rank_worker
 from megatron_multilevel.config import config_to_dict, load_config
+from megatron_multilevel.level_maps import run_level_maps
+from megatron_multilevel.parallel.spawn import run_ranks
+from megatron_multilevel.training.checkpoint import RunState
+from megatron_multilevel.training.schedule import build_phases, schedule_signature
 
 
 def init_run(src: str, config_path: str, out: str, *, overwrite: bool = False) -> None:
-    from megatron_multilevel.checkpoints.convert import load_source
-    from megatron_multilevel.level_maps import run_level_maps
-    from megatron_multilevel.checkpoints.reshard import rank_worker
-    from megatron_multilevel.parallel.spawn import run_ranks
-    from megatron_multilevel.training.checkpoint import RunState
-    from megatron_multilevel.training.schedule import build_phases, schedule_signature
-
     with open(config_path) as f:
         config = json.load(f)
     config.setdefault("training", {})["output_dir"] = os.path.abspath(out)

@@ -20,17 +20,21 @@ from megatron_multilevel.checkpoints import verify
 from megatron_multilevel.checkpoints.deepspeed_reader import merge_tensor_parallel, open_checkpoint, rank_state_dicts
 from megatron_multilevel.checkpoints.full import prepare_output
 from megatron_multilevel.config import config_to_dict, load_config
+from megatron_multilevel.parallel.coherence import FILE as COHERENCE_FILE
+from megatron_multilevel.parallel.spawn import run_ranks
+from megatron_multilevel.parallel.streams import Groups, ModelWriter, TensorsReader
+from megatron_multilevel.training import checkpoint
 from megatron_multilevel.training.checkpoint import checkpoint_dir, read_latest, state_of
+from megatron_multilevel.training.engines import LevelEngines
 from megatron_multilevel.training.metrics import METRICS_FILE
+from megatron_multilevel.training.schedule import build_phases
 
 
 def _copy_extra(source: str, target: str) -> None:
     """The files a checkpoint keeps beside DeepSpeed's in a layout-free form (the ODE strategy's
     coherence vector, full tensors): copied as they are."""
-    from megatron_multilevel.parallel.coherence import FILE
-
-    if dist.get_rank() == 0 and os.path.exists(os.path.join(source, FILE)):
-        shutil.copy(os.path.join(source, FILE), os.path.join(target, FILE))
+    if dist.get_rank() == 0 and os.path.exists(os.path.join(source, COHERENCE_FILE)):
+        shutil.copy(os.path.join(source, COHERENCE_FILE), os.path.join(target, COHERENCE_FILE))
 
 
 def rank_worker(rank, world, config_dict, out, items, tokens):
@@ -42,11 +46,7 @@ def rank_worker(rank, world, config_dict, out, items, tokens):
     saved with a fresh optimizer and the learning-rate schedule at its step. The latest is then
     loaded the way the trainer loads it; its logits on ``tokens``, gathered over the vocabulary
     shards, are returned (``None`` without a latest item)."""
-    from megatron_multilevel.parallel.streams import Groups, ModelWriter, TensorsReader
     from megatron_multilevel.parallel.transition import _copy_stream
-    from megatron_multilevel.training import checkpoint
-    from megatron_multilevel.training.engines import LevelEngines
-    from megatron_multilevel.training.schedule import build_phases
 
     cfg = load_config(config_dict)
     levels = LevelEngines(cfg, world)
@@ -103,8 +103,6 @@ def reshard(src: str, out: str, *, target_tp: int, overwrite: bool = False) -> N
     tokens = verify.fixed_tokens(latest["model"])
     full_logits = verify.logits_full(latest["tensors"], latest["model"], tokens)
     os.makedirs(out, exist_ok=True)
-    from megatron_multilevel.parallel.spawn import run_ranks
-
     payload = [{k: v for k, v in item.items() if k != "model"} for item in items]
     logits = run_ranks(rank_worker, target_tp, config_to_dict(parsed), os.path.abspath(out), payload, tokens,
                        tensor_model_parallel_size=parsed.level_tp_sizes()[0])[0]

@@ -9,6 +9,9 @@ import torch
 
 from megatron_multilevel.config import ModelConfig, RunConfig, config_to_dict
 from megatron_multilevel.config_parsing import parse_dataclass
+from megatron_multilevel.distributed import init_single_process, set_tensor_model_parallel_size
+from megatron_multilevel.models import build_model, load_parameters, model_logits
+from megatron_multilevel.parallel.spawn import run_ranks
 
 # Logits of the same weights computed two ways agree to float rounding; anything above this is a
 # conversion error, not rounding.
@@ -22,9 +25,6 @@ def fixed_tokens(cfg: ModelConfig) -> torch.Tensor:
 
 def single_process_model(tensors: dict, cfg: ModelConfig) -> torch.nn.Module:
     """A TP=1 Megatron model of ``cfg`` holding the full ``tensors``, in this process, in eval mode."""
-    from megatron_multilevel.distributed import init_single_process, set_tensor_model_parallel_size
-    from megatron_multilevel.models import build_model, load_parameters
-
     init_single_process()
     set_tensor_model_parallel_size(1)
     model = build_model(cfg, perform_initialization=False)
@@ -34,8 +34,6 @@ def single_process_model(tensors: dict, cfg: ModelConfig) -> torch.nn.Module:
 
 def logits_full(tensors: dict, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of full tensors in a TP=1 Megatron model, in this process."""
-    from megatron_multilevel.models import model_logits
-
     model = single_process_model(tensors, cfg)
     with torch.no_grad():
         return model_logits(model, cfg, tokens).float()
@@ -45,8 +43,6 @@ def gathered_logits(model, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tens
     """Logits of a tensor-parallel model, gathered over the vocabulary shards (collective)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-
-    from megatron_multilevel.models import model_logits
 
     model.eval()
     with torch.no_grad():
@@ -60,8 +56,6 @@ def gathered_logits(model, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tens
 
 
 def _layout_worker(rank, world, shards, model_dict, tokens):
-    from megatron_multilevel.models import build_model, load_parameters
-
     cfg = parse_dataclass(ModelConfig, model_dict, "model")
     model = build_model(cfg, perform_initialization=False)
     load_parameters(model, shards[rank])
@@ -71,8 +65,6 @@ def _layout_worker(rank, world, shards, model_dict, tokens):
 def logits_in_layout(shards: list[dict], cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of per-rank shards in their own tensor-parallel layout (one process per rank)."""
     import dataclasses
-
-    from megatron_multilevel.parallel.spawn import run_ranks
 
     tp = len(shards)
     return run_ranks(_layout_worker, tp, shards, dataclasses.asdict(cfg), tokens, tensor_model_parallel_size=tp)[0]
