@@ -12,8 +12,12 @@ from typing import Optional
 import torch
 
 from megatron_multilevel.checkpoints import verify
+from megatron_multilevel.checkpoints.deepspeed_reader import merge_tensor_parallel, open_checkpoint, rank_state_dicts
 from megatron_multilevel.checkpoints.full import is_full, load_full, prepare_output, save_full
-from megatron_multilevel.config import ModelConfig, check_model_parallel
+from megatron_multilevel.checkpoints.hf import (
+    check_exportable, from_hf_state_dict, hf_logits, hf_model, hf_model_class, model_config_from_hf, to_hf_state_dict)
+from megatron_multilevel.checkpoints.hf_generation import check_generation, write_tokenizer
+from megatron_multilevel.config import DataConfig, ModelConfig, check_alpha, check_model_parallel
 from megatron_multilevel.level_maps import LayerSelection, LevelMap, make_level_map
 from megatron_multilevel.operators import coalesce, decoalesce, interpolate
 from megatron_multilevel.parallel.tp_layout import shard
@@ -40,7 +44,6 @@ def run_tokenizer(config: dict) -> Optional[str]:
     data = config.get("data", {})
     path = data.get("tokenizer_model")
     if path is None:
-        from megatron_multilevel.config import DataConfig
         from megatron_multilevel.data.corpus import corpus_root
 
         vocab = config.get("model", {}).get("vocab_size")
@@ -61,8 +64,6 @@ def load_source(path: str) -> Source:
                       {"kind": "full", "path": os.path.abspath(path), **ode}, tokenizer=tokenizer)
     if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isdir(os.path.join(path, "checkpoints")):
         raise ValueError(f"{path} looks like a Hugging Face checkpoint; convert it with from-hf first")
-    from megatron_multilevel.checkpoints.deepspeed_reader import merge_tensor_parallel, open_checkpoint, rank_state_dicts
-
     ckpt = open_checkpoint(path)
     shards = rank_state_dicts(ckpt)
     tensors = merge_tensor_parallel(shards, ckpt.model)
@@ -168,8 +169,6 @@ def decoalesce_checkpoint(src: str, out: str, *, level_map: Optional[str], fmt: 
 
 def interpolate_checkpoint(src: str, out: str, *, alpha: float, other: str, fmt: str, overwrite: bool) -> None:
     """``(1 - alpha) * other + alpha * src`` (``other``: the model before coalescing)."""
-    from megatron_multilevel.config import check_alpha
-
     check_alpha(alpha, "--alpha")
     prepare_output(out, overwrite, src, other)
     a, b = load_source(src), load_source(other)
@@ -203,8 +202,6 @@ def _quiet_transformers() -> None:
 def to_hf(src: str, out: str, *, overwrite: bool, tokenizer: Optional[str] = None) -> None:
     """Write a ``transformers`` model and, with it, its tokenizer: ``tokenizer`` (a SentencePiece model
     or a Hugging Face tokenizer directory), else the one the source records."""
-    from megatron_multilevel.checkpoints.hf import check_exportable, from_hf_state_dict, hf_logits, hf_model, to_hf_state_dict
-
     _quiet_transformers()
     source = load_source(src)
     check_exportable(source.model)
@@ -224,17 +221,12 @@ def to_hf(src: str, out: str, *, overwrite: bool, tokenizer: Optional[str] = Non
     if tokenizer is None:
         print(f"wrote {out} ({type(model).__name__}) without a tokenizer: the source records none; pass --tokenizer")
         return
-    from megatron_multilevel.checkpoints.hf_generation import check_generation, write_tokenizer
-
     write_tokenizer(tokenizer, out)
     check_generation(out, source.tensors, source.model, tokenizer)
     print(f"wrote {out} ({type(model).__name__} and its tokenizer)")
 
 
 def from_hf(src: str, out: str, *, fmt: str, overwrite: bool) -> None:
-    from megatron_multilevel.checkpoints.hf import (
-        from_hf_state_dict, hf_logits, hf_model_class, model_config_from_hf, to_hf_state_dict)
-
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise ValueError(f"{src} is not a Hugging Face checkpoint directory (no config.json)")
     prepare_output(out, overwrite, src)

@@ -111,12 +111,17 @@ def model_config_from_hf(hf, hf_sd: Optional[dict] = None) -> ModelConfig:
 
 def _qkv_to_separate(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Megatron rows ``[q_h k_h v_h]`` per head -> ``[Q | K | V]`` (each all heads)."""
-    rest = w.shape[1:]
+    rest = w.shape[1:]  # (hidden,) for the weight, () for the bias
+    # (heads * 3 * head_size, *rest) -> (heads, 3, head_size, *rest) -> (3, heads, head_size, *rest)
+    # -> (3 * heads * head_size, *rest)
     return w.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(-1, *rest)
 
 
 def _separate_to_qkv(w: torch.Tensor, heads: int) -> torch.Tensor:
-    rest = w.shape[1:]
+    """``[Q | K | V]`` (each all heads) -> Megatron rows ``[q_h k_h v_h]`` per head."""
+    rest = w.shape[1:]  # (hidden,) for the weight, () for the bias
+    # (3 * heads * head_size, *rest) -> (3, heads, head_size, *rest) -> (heads, 3, head_size, *rest)
+    # -> (heads * 3 * head_size, *rest)
     return w.reshape(3, heads, -1, *rest).transpose(0, 1).reshape(-1, *rest)
 
 
@@ -184,13 +189,14 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
         prefix, hp = f"{stack}.layers.{i}.", f"{hf_layers}.{i}."
         for local, hf in _layer_map(cfg).items():
             t = sd[prefix + local]
-            out[hp + hf] = t.t().contiguous() if _transposed(cfg, local) else t.clone()
-        w = _qkv_to_separate(sd[prefix + "self_attention.linear_qkv.weight"], h)
-        b = _qkv_to_separate(sd[prefix + "self_attention.linear_qkv.bias"], h)
+            out[hp + hf] = t.t().contiguous() if _transposed(cfg, local) else t.clone()  # (out, in) -> (in, out)
+        # heads * head_size == hidden (check_exportable): the rows [Q | K | V] each take hidden
+        w = _qkv_to_separate(sd[prefix + "self_attention.linear_qkv.weight"], h)  # (3 * hidden, hidden)
+        b = _qkv_to_separate(sd[prefix + "self_attention.linear_qkv.bias"], h)  # (3 * hidden,)
         if cfg.kind == "gpt":
-            out[hp + "attn.c_attn.weight"] = w.t().contiguous()
+            out[hp + "attn.c_attn.weight"] = w.t().contiguous()  # (3 * hidden, hidden) -> (hidden, 3 * hidden)
             out[hp + "attn.c_attn.bias"] = b
-        else:
+        else:  # (3 * hidden, hidden) -> 3 x (hidden, hidden); (3 * hidden,) -> 3 x (hidden,)
             for part, wp, bp in zip(("query", "key", "value"), w.chunk(3), b.chunk(3)):
                 out[hp + f"attention.self.{part}.weight"] = wp.contiguous()
                 out[hp + f"attention.self.{part}.bias"] = bp.contiguous()
@@ -209,10 +215,11 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
         prefix, hp = f"{stack}.layers.{i}.", f"{hf_layers}.{i}."
         for local, hf in _layer_map(cfg).items():
             t = hf_sd[hp + hf]
-            out[prefix + local] = t.t().contiguous() if _transposed(cfg, local) else t.clone()
-        if cfg.kind == "gpt":
+            out[prefix + local] = t.t().contiguous() if _transposed(cfg, local) else t.clone()  # (in, out) -> (out, in)
+        # w: (3 * hidden, hidden), b: (3 * hidden,), rows [Q | K | V]
+        if cfg.kind == "gpt":  # (hidden, 3 * hidden) -> (3 * hidden, hidden)
             w, b = hf_sd[hp + "attn.c_attn.weight"].t(), hf_sd[hp + "attn.c_attn.bias"]
-        else:
+        else:  # 3 x (hidden, hidden) -> (3 * hidden, hidden); 3 x (hidden,) -> (3 * hidden,)
             w = torch.cat([hf_sd[hp + f"attention.self.{p}.weight"] for p in ("query", "key", "value")])
             b = torch.cat([hf_sd[hp + f"attention.self.{p}.bias"] for p in ("query", "key", "value")])
         out[prefix + "self_attention.linear_qkv.weight"] = _separate_to_qkv(w, h).contiguous()

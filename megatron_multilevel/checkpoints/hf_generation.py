@@ -6,7 +6,9 @@ import os
 
 import torch
 
+from megatron_multilevel.checkpoints.verify import LOGITS_TOLERANCE, single_process_model
 from megatron_multilevel.config import ModelConfig
+from megatron_multilevel.models import model_logits
 
 PROMPT = "def main():\n    return"
 NEW_TOKENS = 8
@@ -28,14 +30,7 @@ def write_tokenizer(tokenizer: str, out: str) -> None:
 def greedy_continuation(tensors: dict, cfg: ModelConfig, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     """The ``n`` tokens a Megatron GPT picks greedily after ``ids``, and the margin of each pick
     (top logit minus the runner-up: a tie is within float rounding of two implementations)."""
-    from megatron_multilevel.distributed import init_single_process, set_tensor_model_parallel_size
-    from megatron_multilevel.models import build_model, load_parameters, model_logits
-
-    init_single_process()
-    set_tensor_model_parallel_size(1)
-    model = build_model(cfg, perform_initialization=False)
-    load_parameters(model, tensors)
-    model.eval()
+    model = single_process_model(tensors, cfg)
     out, margins = list(ids), []
     with torch.no_grad():
         for _ in range(n):
@@ -51,7 +46,6 @@ def check_generation(out: str, tensors: dict, cfg: ModelConfig, tokenizer: str) 
     ``pipeline("text-generation", model=out)`` continues it greedily as the Megatron model does."""
     from transformers import AutoTokenizer, pipeline
 
-    from megatron_multilevel.checkpoints.verify import LOGITS_TOLERANCE
     from megatron_multilevel.data.tokenizer import load_tokenizer
 
     ours = load_tokenizer(tokenizer)

@@ -10,21 +10,19 @@ loaded the way the trainer loads it and its logits compared with the source's be
 import dataclasses
 import json
 import os
-import shutil
 
 from megatron_multilevel.checkpoints import verify
+from megatron_multilevel.checkpoints.convert import load_source
 from megatron_multilevel.checkpoints.full import prepare_output
+from megatron_multilevel.checkpoints.reshard import rank_worker
 from megatron_multilevel.config import config_to_dict, load_config
+from megatron_multilevel.level_maps import run_level_maps
+from megatron_multilevel.parallel.spawn import run_ranks
+from megatron_multilevel.training.checkpoint import RunState
+from megatron_multilevel.training.schedule import build_phases, schedule_signature
 
 
 def init_run(src: str, config_path: str, out: str, *, overwrite: bool = False) -> None:
-    from megatron_multilevel.checkpoints.convert import load_source
-    from megatron_multilevel.level_maps import run_level_maps
-    from megatron_multilevel.checkpoints.reshard import _rank_worker
-    from megatron_multilevel.parallel.spawn import run_ranks
-    from megatron_multilevel.training.checkpoint import RunState
-    from megatron_multilevel.training.schedule import build_phases, schedule_signature
-
     with open(config_path) as f:
         config = json.load(f)
     config.setdefault("training", {})["output_dir"] = os.path.abspath(out)
@@ -51,14 +49,10 @@ def init_run(src: str, config_path: str, out: str, *, overwrite: bool = False) -
     tokens = verify.fixed_tokens(source.model)
     tp = cfg.level_tp_sizes()[0]
     os.makedirs(out, exist_ok=True)
-    logits = run_ranks(_rank_worker, tp, config_to_dict(cfg), os.path.abspath(out), [item], tokens,
+    logits = run_ranks(rank_worker, tp, config_to_dict(cfg), os.path.abspath(out), [item], tokens,
                        tensor_model_parallel_size=tp)[0]
-    ok = verify.compare([("source", f"the run's first checkpoint, loaded as the trainer does (TP={tp})",
-                          verify.logits_full(source.tensors, source.model, tokens), logits)])
-    if not ok:
-        shutil.rmtree(out, ignore_errors=True)
-        raise RuntimeError("verification failed: the run's first checkpoint computes other logits than the source")
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config_to_dict(cfg), f, indent=1)
+    verify.finish_run(out, cfg, [("source", f"the run's first checkpoint, loaded as the trainer does (TP={tp})",
+                                  verify.logits_full(source.tensors, source.model, tokens), logits)],
+                      "the run's first checkpoint computes other logits than the source")
     print(f"wrote {out}: phase 0, step 0 holds the source's weights; train with\n"
           f"  launch/pretrain_vcycle.sh {os.path.join(out, 'config.json')}" + (f" --num_gpus {tp}" if tp > 1 else ""))

@@ -10,7 +10,6 @@ with the consolidated model's.
 
 import copy
 import functools
-import json
 import os
 import shutil
 
@@ -21,27 +20,33 @@ from megatron_multilevel.checkpoints import verify
 from megatron_multilevel.checkpoints.deepspeed_reader import merge_tensor_parallel, open_checkpoint, rank_state_dicts
 from megatron_multilevel.checkpoints.full import prepare_output
 from megatron_multilevel.config import config_to_dict, load_config
+from megatron_multilevel.parallel.coherence import FILE as COHERENCE_FILE
+from megatron_multilevel.parallel.spawn import run_ranks
+from megatron_multilevel.parallel.staging import copy_stream
+from megatron_multilevel.parallel.streams import Groups, ModelWriter, TensorsReader
+from megatron_multilevel.training import checkpoint
 from megatron_multilevel.training.checkpoint import checkpoint_dir, read_latest, state_of
+from megatron_multilevel.training.engines import LevelEngines
 from megatron_multilevel.training.metrics import METRICS_FILE
+from megatron_multilevel.training.schedule import build_phases
 
 
 def _copy_extra(source: str, target: str) -> None:
     """The files a checkpoint keeps beside DeepSpeed's in a layout-free form (the ODE strategy's
     coherence vector, full tensors): copied as they are."""
-    from megatron_multilevel.parallel.coherence import FILE
-
-    if dist.get_rank() == 0 and os.path.exists(os.path.join(source, FILE)):
-        shutil.copy(os.path.join(source, FILE), os.path.join(target, FILE))
+    if dist.get_rank() == 0 and os.path.exists(os.path.join(source, COHERENCE_FILE)):
+        shutil.copy(os.path.join(source, COHERENCE_FILE), os.path.join(target, COHERENCE_FILE))
 
 
-def _rank_worker(rank, world, config_dict, out, items, tokens):
-    """Write every item's tensors in the new layout and save it; return the latest's logits as the
-    trainer would see them after loading."""
-    from megatron_multilevel.parallel.streams import Groups, ModelWriter, TensorsReader
-    from megatron_multilevel.parallel.staging import copy_stream
-    from megatron_multilevel.training import checkpoint
-    from megatron_multilevel.training.engines import LevelEngines
-    from megatron_multilevel.training.schedule import build_phases
+def rank_worker(rank, world, config_dict, out, items, tokens):
+    """One rank's part of writing checkpoints into the run directory ``out`` in the layout of the
+    run config ``config_dict`` (``run_ranks`` runs it on every rank).
+
+    Each of ``items`` (a dict: full ``tensors``, the sidecar's ``state`` and other entries ``meta``,
+    the source checkpoint's ``path`` whose layout-free files are copied along, and ``latest``) is
+    saved with a fresh optimizer and the learning-rate schedule at its step. The latest is then
+    loaded the way the trainer loads it; its logits on ``tokens``, gathered over the vocabulary
+    shards, are returned (``None`` without a latest item)."""
 
     cfg = load_config(config_dict)
     levels = LevelEngines(cfg, world)
@@ -98,18 +103,11 @@ def reshard(src: str, out: str, *, target_tp: int, overwrite: bool = False) -> N
     tokens = verify.fixed_tokens(latest["model"])
     full_logits = verify.logits_full(latest["tensors"], latest["model"], tokens)
     os.makedirs(out, exist_ok=True)
-    from megatron_multilevel.parallel.spawn import run_ranks
-
     payload = [{k: v for k, v in item.items() if k != "model"} for item in items]
-    logits = run_ranks(_rank_worker, target_tp, config_to_dict(parsed), os.path.abspath(out), payload, tokens,
+    logits = run_ranks(rank_worker, target_tp, config_to_dict(parsed), os.path.abspath(out), payload, tokens,
                        tensor_model_parallel_size=parsed.level_tp_sizes()[0])[0]
-    ok = verify.compare([("consolidated (TP=1)", f"resharded, loaded as the trainer does (TP={target_tp})",
-                          full_logits, logits)])
-    if not ok:
-        shutil.rmtree(out, ignore_errors=True)
-        raise RuntimeError("verification failed: the resharded checkpoint's logits differ")
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config_to_dict(parsed), f, indent=1)
+    verify.finish_run(out, parsed, [("consolidated (TP=1)", f"resharded, loaded as the trainer does (TP={target_tp})",
+                                     full_logits, logits)], "the resharded checkpoint's logits differ")
     if os.path.exists(os.path.join(src, METRICS_FILE)):  # the run's history continues in the new directory
         shutil.copy(os.path.join(src, METRICS_FILE), os.path.join(out, METRICS_FILE))
     print(f"wrote {out}: {len(tags)} checkpoint(s) at TP={target_tp}; continue with\n"

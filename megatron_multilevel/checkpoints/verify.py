@@ -1,11 +1,17 @@
 """Self-checks of checkpoint conversions: exact tensor round trips and logits on a fixed input."""
 
+import json
+import os
+import shutil
 from typing import Optional
 
 import torch
 
-from megatron_multilevel.config import ModelConfig
+from megatron_multilevel.config import ModelConfig, RunConfig, config_to_dict
 from megatron_multilevel.config.parsing import parse_dataclass
+from megatron_multilevel.distributed import init_single_process, set_tensor_model_parallel_size
+from megatron_multilevel.models import build_model, load_parameters, model_logits
+from megatron_multilevel.parallel.spawn import run_ranks
 
 # Logits of the same weights computed two ways agree to float rounding; anything above this is a
 # conversion error, not rounding.
@@ -17,16 +23,18 @@ def fixed_tokens(cfg: ModelConfig) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (2, seq), generator=torch.Generator().manual_seed(1234))
 
 
-def logits_full(tensors: dict, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of full tensors in a TP=1 Megatron model, in this process."""
-    from megatron_multilevel.distributed import init_single_process, set_tensor_model_parallel_size
-    from megatron_multilevel.models import build_model, load_parameters, model_logits
-
+def single_process_model(tensors: dict, cfg: ModelConfig) -> torch.nn.Module:
+    """A TP=1 Megatron model of ``cfg`` holding the full ``tensors``, in this process, in eval mode."""
     init_single_process()
     set_tensor_model_parallel_size(1)
     model = build_model(cfg, perform_initialization=False)
     load_parameters(model, tensors)
-    model.eval()
+    return model.eval()
+
+
+def logits_full(tensors: dict, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of full tensors in a TP=1 Megatron model, in this process."""
+    model = single_process_model(tensors, cfg)
     with torch.no_grad():
         return model_logits(model, cfg, tokens).float()
 
@@ -36,8 +44,6 @@ def gathered_logits(model, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tens
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_multilevel.models import model_logits
-
     model.eval()
     with torch.no_grad():
         local = model_logits(model, cfg, tokens).float().contiguous()
@@ -46,12 +52,10 @@ def gathered_logits(model, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tens
         return local
     parts = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(parts, local, group=ps.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=-1)  # tp x (b, s, vocab / tp) -> (b, s, vocab), the ranks' shards in order
 
 
 def _layout_worker(rank, world, shards, model_dict, tokens):
-    from megatron_multilevel.models import build_model, load_parameters
-
     cfg = parse_dataclass(ModelConfig, model_dict, "model")
     model = build_model(cfg, perform_initialization=False)
     load_parameters(model, shards[rank])
@@ -61,8 +65,6 @@ def _layout_worker(rank, world, shards, model_dict, tokens):
 def logits_in_layout(shards: list[dict], cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of per-rank shards in their own tensor-parallel layout (one process per rank)."""
     import dataclasses
-
-    from megatron_multilevel.parallel.spawn import run_ranks
 
     tp = len(shards)
     return run_ranks(_layout_worker, tp, shards, dataclasses.asdict(cfg), tokens, tensor_model_parallel_size=tp)[0]
@@ -82,6 +84,17 @@ def compare(rows: list[tuple[str, str, torch.Tensor, torch.Tensor]], *, required
         note = "" if needed else " (information)"
         print(f"| {a_name} | {b_name} | {diff.max().item():.2e}{note} | {diff.mean().item():.2e} | {top1:.1%} |")
     return ok
+
+
+def finish_run(out: str, cfg: RunConfig, rows: list[tuple[str, str, torch.Tensor, torch.Tensor]], what: str) -> None:
+    """Keep the run directory ``out`` only if its logits agree: compare ``rows`` (as ``compare``);
+    if they agree, write the run's ``config.json`` (the file to launch it with), else remove ``out``
+    and raise ``RuntimeError("verification failed: <what>")``."""
+    if not compare(rows):
+        shutil.rmtree(out, ignore_errors=True)
+        raise RuntimeError(f"verification failed: {what}")
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config_to_dict(cfg), f, indent=1)
 
 
 def mismatched(a: dict, b: dict) -> list[str]:
