@@ -43,7 +43,8 @@ from megatron_multilevel.parallel.staging import (
     optimizer_step,
     snapshot_group,
 )
-from megatron_multilevel.parallel.streams import Groups, ModelReader, ModelWriter, Snapshot, Storage
+from megatron_multilevel.parallel.snapshot import Snapshot, Storage
+from megatron_multilevel.parallel.streams import Groups, ModelReader, ModelWriter
 from megatron_multilevel.parallel.tp_layout import partition_dim, shard, unshard
 from megatron_multilevel.plan import parameter_plan
 

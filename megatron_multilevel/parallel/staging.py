@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_multilevel.config import ZERO_STAGES, ModelConfig, undivided_size, valid_tp_sizes
-from megatron_multilevel.parallel.streams import Groups, ModelWriter, Snapshot, vocab_slabs
+from megatron_multilevel.parallel.snapshot import Snapshot
+from megatron_multilevel.parallel.streams import Groups, ModelWriter, vocab_slabs
 from megatron_multilevel.parallel.zero import inner_torch_optimizer, materialize_optimizer_state
 
 

@@ -3,7 +3,7 @@
 ``coarsen`` takes the fine level's model (plain, or the module of a DeepSpeed engine at any ZeRO
 stage and tensor-parallel size) and builds the coarse level's model in the coarse layout with
 coalesced parameters; it keeps the fine model as it was (for interpolation) in a
-:class:`~megatron_multilevel.parallel.streams.Snapshot`. ``prolong`` de-coalesces the coarse model,
+:class:`~megatron_multilevel.parallel.snapshot.Snapshot`. ``prolong`` de-coalesces the coarse model,
 interpolates with that snapshot (or adds the coarse correction to it) and builds the fine
 level's model again. Each is handed a builder of its target model (``build_target``, an empty model
 in the target layout) and returns it filled, ready for ``deepspeed.initialize``; optionally mapped
@@ -48,7 +48,8 @@ from megatron_multilevel.parallel.staging import (
     optimizer_step,
     snapshot_group,
 )
-from megatron_multilevel.parallel.streams import Groups, ModelReader, ModelWriter, Snapshot, Storage, vocab_slabs
+from megatron_multilevel.parallel.snapshot import Snapshot, Storage
+from megatron_multilevel.parallel.streams import Groups, ModelReader, ModelWriter, vocab_slabs
 from megatron_multilevel.plan import layer_prefix
 
 
