@@ -84,7 +84,13 @@ def test_optimizer_params_are_checked_against_the_type():
     assert str(e.value).startswith("optimizer.params.eps and optimizer.params.torch_adam are not parameters of "
                                    "optimizer.type = 'Lion'")
     assert "valid params are ['betas', 'lr', 'set_grad_none', 'weight_decay']" in str(e.value)
-    load_config(_config(type="Lion", params={"lr": 1e-4, "betas": [0.9, 0.99], "weight_decay": 0.1}))
+    lion = _config(type="Lion", params={"lr": 1e-4, "betas": [0.9, 0.99], "weight_decay": 0.1})
+    # the default carries AdamW's moments through its transitions, which Lion does not keep: refused
+    # when the config is read, not at the first transition
+    with pytest.raises(ValueError, match=r"multilevel.optimizer_state = 'map' carries .*optimizer.type is 'Lion'"):
+        load_config(lion)
+    lion["multilevel"]["optimizer_state"] = "reset"
+    load_config(lion)
     # torch_adam chooses torch's AdamW, which has no bias_correction (DeepSpeed's FusedAdam has)
     load_config(_config(type="AdamW", params={"bias_correction": False}))
     with pytest.raises(ValueError, match=r"optimizer.params.bias_correction .* builds torch.optim.AdamW"):

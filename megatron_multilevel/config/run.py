@@ -77,6 +77,7 @@ class RunConfig:
             self._check_level_parallel(level, cfg, tp)
         self._check_sequence_parallel()
         self._check_width_symmetry()
+        check_optimizers(self)
         if self.multilevel.optimizer_state == "map":
             self._check_mapped_state()
 
@@ -308,9 +309,7 @@ def load_config(source: "str | os.PathLike | dict") -> RunConfig:
         )
     ours = {k: v for k, v in data.items() if k in OUR_KEYS}
     ours["deepspeed"] = {k: v for k, v in data.items() if k in DEEPSPEED_KEYS}
-    cfg = parse_dataclass(RunConfig, ours, "config")
-    check_optimizers(cfg)
-    return cfg
+    return parse_dataclass(RunConfig, ours, "config")
 
 
 def config_to_dict(cfg: RunConfig) -> dict:

@@ -34,15 +34,8 @@ from megatron_multilevel.ode_operators import (
     restrict_layer,
     unrestrict_layer,
 )
-from megatron_multilevel.parallel.staging import (
-    FineSnapshot,
-    Layout,
-    Staged,
-    check_layouts,
-    copy_stream,
-    optimizer_step,
-    snapshot_group,
-)
+from megatron_multilevel.parallel.staging import (FineSnapshot, Layout, Staged, check_layouts, copy_stream,
+                                                 optimizer_step, snapshot_group)
 from megatron_multilevel.parallel.snapshot import Snapshot, Storage
 from megatron_multilevel.parallel.streams import Groups, ModelReader, ModelWriter
 from megatron_multilevel.parallel.tp_layout import partition_dim, shard, unshard

@@ -39,15 +39,8 @@ from megatron_multilevel.operators import (
     group_member,
     interpolate,
 )
-from megatron_multilevel.parallel.staging import (
-    FineSnapshot,
-    Layout,
-    Staged,
-    check_layouts,
-    copy_stream,
-    optimizer_step,
-    snapshot_group,
-)
+from megatron_multilevel.parallel.staging import (FineSnapshot, Layout, Staged, check_layouts, copy_stream,
+                                                 optimizer_step, snapshot_group)
 from megatron_multilevel.parallel.snapshot import Snapshot, Storage
 from megatron_multilevel.parallel.streams import Groups, ModelReader, ModelWriter, vocab_slabs
 from megatron_multilevel.plan import layer_prefix
