@@ -87,3 +87,40 @@ def test_readme_holds_the_two_commands():
     assert "launch/pretrain_vcycle.sh" in makefile and '-m pytest -q tests' in makefile
     ci = (PACKAGE.parent / ".ci" / "run").read_text()
     assert "make test" in ci
+
+
+def _all_modules():
+    return sorted(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+                  for p in PACKAGE.rglob("*.py"))
+
+
+def _edges(name):
+    """The package's modules ``name`` imports (any import statement), its own package left out."""
+    out = set()
+    for module, names in _imports(_module_file(name)):
+        out.update(m for m in _package_modules(module, names) if m != name and not name.startswith(m + "."))
+    return out
+
+
+def test_no_import_loop():
+    graph = {name: _edges(name) for name in _all_modules()}
+    state = {}
+
+    def visit(name, path):
+        state[name] = "open"
+        for nxt in sorted(graph.get(name, ())):
+            if nxt == "megatron_multilevel":
+                continue  # the package's __init__ re-exports; nothing imports it from inside
+            assert state.get(nxt) != "open", f"import loop: {' -> '.join(path + [nxt])}"
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[name] = "done"
+
+    for name in graph:
+        if name not in state:
+            visit(name, [name])
+
+
+def test_config_imports_nothing_from_training_or_parallel():
+    reached = _reached("megatron_multilevel.config")
+    assert not [m for m in reached if m.startswith(("megatron_multilevel.training", "megatron_multilevel.parallel"))]
