@@ -61,6 +61,7 @@ def _copy_partners(t: torch.Tensor, dim: int, g: Grouping) -> torch.Tensor:
     if g.structure == "halves":
         return torch.cat([t, t], dim=dim)
     if g.structure == "adjacent":
+        # (..., n, ...) -> (..., n, 2, ...) -> (..., 2n, ...): unit i at 2i and 2i + 1
         return t.unsqueeze(dim + 1).expand(*t.shape[: dim + 1], 2, *t.shape[dim + 1 :]).flatten(dim, dim + 1)
     return t.index_select(dim, g.index)
 
