@@ -198,6 +198,30 @@ def test_mapped_optimizer_state_of_each_optimizer():
         levels({"type": "AdamW"}, coarse={"type": "SGD", "params": {"momentum": 0.9}})
 
 
+def test_continued_schedule_needs_one_decay():
+    """``lr_schedule = "continue"`` runs one schedule over the run: a phase that trains with another
+    decay or min_ratio is refused when the config is read, naming the phase."""
+    cosine, linear = {"peak": 1e-3, "decay": "cosine"}, {"peak": 1e-3, "decay": "linear"}
+
+    def config(coarse_lr, coarse_steps=2):
+        return {"train_batch_size": 4, "multilevel": {
+            "enabled": True, "lr_schedule": "continue",
+            "levels": [{"steps_before": 2, "steps_after": 2, "lr_before": cosine},
+                       {"steps_before": coarse_steps, "lr_before": coarse_lr}]}}
+
+    load_config(config(cosine))
+    with pytest.raises(ValueError, match=r"the first phase \(level 0\) has decay 'cosine', min_ratio 0.1; "
+                                         r"phase 1 \(coarsest, level 1\) has decay 'linear'"):
+        load_config(config(linear))
+    ode = {"train_batch_size": 4, "multilevel": {
+        "enabled": True, "strategy": "ode", "lr_schedule": "continue",
+        "ode": {"coarse_lr": {"peak": 1e-3, "min_ratio": 0.5}, "pre_steps": 2, "post_steps": 2}}}
+    with pytest.raises(ValueError, match=r"phase 1 \(coarse, level 1\) has decay 'cosine', min_ratio 0.5"):
+        load_config(ode)
+    ode["multilevel"]["ode"]["coarse_lr"]["min_ratio"] = 0.1
+    load_config(ode)
+
+
 def _cycle(cycle: str, **multilevel) -> dict:
     levels = [{"steps_before": 0, "steps_after": 4}, {"steps_before": 4}]
     if cycle == "v":

@@ -41,7 +41,7 @@ from megatron_multilevel.config.parallel import (
 )
 from megatron_multilevel.config.parsing import check_alpha, check_positive, parse_dataclass, to_dict
 from megatron_multilevel.config.run import OUR_KEYS, RunConfig, config_to_dict, load_config
-from megatron_multilevel.config.training import LRConfig, TrainingConfig
+from megatron_multilevel.config.training import LRConfig, PhaseSpec, TrainingConfig
 
 __all__ = [
     "DataConfig", "DEEPSPEED_KEYS", "OPTIMIZER_STATE_KEYS", "STATE_OPTIMIZERS", "ZERO_STAGES",
@@ -51,5 +51,5 @@ __all__ = [
     "RESIDUAL_SCALES", "OdeConfig", "check_optimizer", "check_optimizers", "ParallelConfig",
     "check_sequence_parallel_supported", "resolve_sequence_parallel", "check_alpha", "check_positive",
     "parse_dataclass", "to_dict", "OUR_KEYS", "RunConfig", "config_to_dict", "load_config", "LRConfig",
-    "TrainingConfig",
+    "PhaseSpec", "TrainingConfig",
 ]

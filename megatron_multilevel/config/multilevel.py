@@ -8,7 +8,7 @@ from typing import Literal, Optional
 from megatron_multilevel.config.deepspeed import check_deepspeed_keys
 from megatron_multilevel.config.ode import OdeConfig
 from megatron_multilevel.config.parsing import check_alpha
-from megatron_multilevel.config.training import LRConfig
+from megatron_multilevel.config.training import LRConfig, PhaseSpec
 from megatron_multilevel.cycles import visit_order
 
 STRATEGIES = ("coalesce", "ode")
@@ -63,6 +63,14 @@ class LevelConfig:
         if self.alpha is not None:
             check_alpha(self.alpha, "multilevel.levels[*].alpha")
         check_deepspeed_keys(self.deepspeed, "multilevel.levels[*].deepspeed")
+
+    def visit_schedule(self, name: str, visit: int) -> tuple[int, LRConfig]:
+        """Steps and schedule of ``visit`` (0-based) of this level, a phase called ``name``."""
+        if self.visits is not None:
+            return self.visits[visit].steps, self.visits[visit].lr
+        if name == "after":
+            return self.steps_after, self.lr_after or self.lr_before
+        return self.steps_before, self.lr_before
 
 
 @dataclass
@@ -207,6 +215,20 @@ class MultilevelConfig:
     def walk(self) -> list[int]:
         """The level of every visit of the cycle, in order."""
         return visit_order(self.cycle, self.num_levels)
+
+    def phase_specs(self) -> list[PhaseSpec]:
+        """Level, steps, schedule and name of every phase. The ODE strategy: its block's. A cycle:
+        one phase per visit of ``walk``; a visit that ends by coalescing (``before``) and every visit
+        of the coarsest level (``coarsest``) train the level's ``steps_before``, every other
+        (``after``) its ``steps_after``; ``levels[i].visits`` replaces the rule."""
+        if self.strategy == "ode":
+            return self.ode.phase_specs()
+        walk, coarsest, specs = self.walk(), self.num_levels - 1, []
+        for i, level in enumerate(walk):
+            following = walk[i + 1] if i + 1 < len(walk) else None
+            name = "coarsest" if level == coarsest else "before" if following == level + 1 else "after"
+            specs.append(PhaseSpec(level, *self.levels[level].visit_schedule(name, walk[:i].count(level)), name))
+        return specs
 
     def alpha_of(self, level: int) -> float:
         """Interpolation weight when ``level`` is rebuilt from ``level + 1``."""

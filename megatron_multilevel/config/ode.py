@@ -5,7 +5,7 @@ from typing import Literal, Optional
 
 from megatron_multilevel.config.deepspeed import check_deepspeed_keys
 from megatron_multilevel.config.parsing import check_positive
-from megatron_multilevel.config.training import LRConfig
+from megatron_multilevel.config.training import LRConfig, PhaseSpec
 
 RESIDUAL_SCALES = (1, 2)
 
@@ -80,6 +80,20 @@ class OdeConfig:
                 raise ValueError(f"multilevel.ode.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("coarse_steps", "cycles"):
             check_positive(f"multilevel.ode.{name}", getattr(self, name))
+
+    def phase_specs(self) -> list[PhaseSpec]:
+        """``pre``, ``coarse``, ``post`` per cycle, then ``final``; empty fine phases only where the
+        model must be at the fine level (at the start, between two coarse phases, at the end)."""
+        specs: list[PhaseSpec] = []
+        for c in range(self.cycles):
+            if self.pre_steps or not specs or specs[-1].level == 1:
+                specs.append(PhaseSpec(0, self.pre_steps, self.fine_lr, "pre", c))
+            specs.append(PhaseSpec(1, self.coarse_steps, self.coarse_lr, "coarse", c, self.parity(c)))
+            if self.post_steps:
+                specs.append(PhaseSpec(0, self.post_steps, self.fine_lr, "post", c))
+        if self.final_steps or specs[-1].level == 1:
+            specs.append(PhaseSpec(0, self.final_steps, self.final_lr or self.fine_lr, "final"))
+        return specs
 
     def parity(self, cycle: int) -> int:
         """The layers the coarse model of ``cycle`` keeps: 0 even, 1 odd."""

@@ -77,9 +77,29 @@ class RunConfig:
             self._check_level_parallel(level, cfg, tp)
         self._check_sequence_parallel()
         self._check_width_symmetry()
+        self._check_continued_schedule()
         check_optimizers(self)
         if self.multilevel.optimizer_state == "map":
             self._check_mapped_state()
+
+    def _check_continued_schedule(self) -> None:
+        """``lr_schedule = "continue"`` runs one schedule over the whole run: every phase that trains
+        needs the first one's decay and min_ratio."""
+        ml = self.multilevel
+        if not (ml.enabled and ml.lr_schedule == "continue"):
+            return
+        trained = [(i, spec) for i, spec in enumerate(ml.phase_specs()) if spec.steps]
+        assert trained, "a multilevel run trains"
+        first = trained[0][1]
+        for i, p in trained[1:]:
+            if (p.lr.decay, p.lr.min_ratio) != (first.lr.decay, first.lr.min_ratio):
+                raise ValueError(
+                    f"multilevel.lr_schedule = \"continue\" runs one schedule over the whole run, so every phase "
+                    f"needs the same lr decay and min_ratio: the first phase (level {first.level}) has "
+                    f"decay {first.lr.decay!r}, min_ratio {first.lr.min_ratio}; phase {i} ({p.name}, level "
+                    f"{p.level}) has decay {p.lr.decay!r}, min_ratio {p.lr.min_ratio}. Make them equal, or use "
+                    f"lr_schedule \"restart\" (valid choices: restart, continue)"
+                )
 
     def _check_width_symmetry(self) -> None:
         """Warn when a level is grown in width with nothing to break the symmetry of the copies.

@@ -2,7 +2,7 @@
 that schedules steps)."""
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple, Optional
 
 from megatron_multilevel.config.parsing import check_positive
 
@@ -27,6 +27,18 @@ class LRConfig:
         if not 0.0 <= self.min_ratio <= 1.0:
             raise ValueError(f"lr.min_ratio must be in [0, 1], got {self.min_ratio}")
 
+
+
+class PhaseSpec(NamedTuple):
+    """What the config says of one phase of a multilevel run: the level it trains, for how many
+    steps, on which schedule; its name; with the ODE strategy its cycle and coarse parity."""
+
+    level: int
+    steps: int
+    lr: LRConfig
+    name: str
+    cycle: Optional[int] = None
+    parity: Optional[int] = None
 
 
 @dataclass

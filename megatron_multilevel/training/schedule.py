@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_multilevel.config import LevelConfig, LRConfig, MultilevelConfig, OdeConfig, RunConfig
+from megatron_multilevel.config import LRConfig, RunConfig
 from megatron_multilevel.cycles import Arrival, arrivals
 
 
@@ -68,74 +68,38 @@ def build_phases(cfg: RunConfig) -> list[Phase]:
     ml = cfg.multilevel
     if not ml.enabled:
         return [Phase(0, 0, cfg.training.train_steps, cfg.training.lr, "scratch", visit=0, arrival="fresh")]
-    phases = _ode_phases(ml.ode) if ml.strategy == "ode" else _cycle_phases(ml)
+    specs = ml.phase_specs()
+    levels = [spec.level for spec in specs]
+    if ml.strategy == "ode":
+        how = [_ode_arrival(levels[i - 1] if i else None, level) for i, level in enumerate(levels)]
+    else:
+        how = arrivals(ml.walk())
+    phases = [Phase(i, spec.level, spec.steps, spec.lr, spec.name, visit=levels[:i].count(spec.level), arrival=arrival,
+                    cycle=spec.cycle, parity=spec.parity)
+              for i, (spec, arrival) in enumerate(zip(specs, how))]
     return _continued(phases) if ml.lr_schedule == "continue" else phases
+
+
+def _ode_arrival(previous: Optional[int], level: int) -> Arrival:
+    """How the ODE strategy reaches a phase at ``level`` from one at ``previous``."""
+    if previous is None:
+        return "fresh"
+    return "restrict" if level > previous else "prolong" if level < previous else "continue"
 
 
 def _continued(phases: list[Phase]) -> list[Phase]:
     """``phases`` on one learning-rate schedule over all their steps: the warm-up of the first
-    phase that trains, one decay to the end of the last."""
+    phase that trains, one decay to the end of the last (every phase has its decay and min_ratio:
+    ``RunConfig`` checks it)."""
     trained = [p for p in phases if p.steps]
     assert trained, "a multilevel run trains"
     first = trained[0].lr
-    for p in trained[1:]:
-        if (p.lr.decay, p.lr.min_ratio) != (first.decay, first.min_ratio):
-            raise ValueError(
-                f"multilevel.lr_schedule = \"continue\" runs one schedule over the whole run, so every phase "
-                f"needs the same lr decay and min_ratio: the first phase (level {trained[0].level}) has "
-                f"decay {first.decay!r}, min_ratio {first.min_ratio}; phase {p.index} ({p.name}, level "
-                f"{p.level}) has decay {p.lr.decay!r}, min_ratio {p.lr.min_ratio}. Make them equal, or use "
-                f"lr_schedule \"restart\" (valid choices: restart, continue)"
-            )
+    assert all((p.lr.decay, p.lr.min_ratio) == (first.decay, first.min_ratio) for p in trained), phases
     total, before, out = sum(p.steps for p in phases), 0, []
     for p in phases:
         out.append(dataclasses.replace(p, run_schedule=(before, total, first)))
         before += p.steps
     return out
-
-
-def _cycle_phases(ml: MultilevelConfig) -> list[Phase]:
-    walk = ml.walk()
-    coarsest = ml.num_levels - 1
-    phases = []
-    for i, (level, arrival) in enumerate(zip(walk, arrivals(walk))):
-        following = walk[i + 1] if i + 1 < len(walk) else None
-        name = "coarsest" if level == coarsest else "before" if following == level + 1 else "after"
-        visit = walk[:i].count(level)
-        steps, lr = _visit_schedule(ml.levels[level], name, visit)
-        phases.append(Phase(i, level, steps, lr, name, visit=visit, arrival=arrival))
-    return phases
-
-
-def _ode_phases(ode: OdeConfig) -> list[Phase]:
-    """``pre``, ``coarse``, ``post`` per cycle, then ``final``; empty fine phases only where the
-    model must be at the fine level."""
-    specs = []  # (level, steps, lr, name, cycle, parity)
-    for c in range(ode.cycles):
-        if ode.pre_steps or not specs or specs[-1][0] == 1:
-            specs.append((0, ode.pre_steps, ode.fine_lr, "pre", c, None))
-        specs.append((1, ode.coarse_steps, ode.coarse_lr, "coarse", c, ode.parity(c)))
-        if ode.post_steps:
-            specs.append((0, ode.post_steps, ode.fine_lr, "post", c, None))
-    if ode.final_steps or specs[-1][0] == 1:
-        specs.append((0, ode.final_steps, ode.final_lr or ode.fine_lr, "final", None, None))
-    phases = []
-    for i, (level, steps, lr, name, cycle, parity) in enumerate(specs):
-        visit = sum(1 for p in phases if p.level == level)
-        previous = phases[-1].level if phases else None
-        arrival = ("fresh" if previous is None else "restrict" if level > previous else
-                   "prolong" if level < previous else "continue")
-        phases.append(Phase(i, level, steps, lr, name, visit=visit, arrival=arrival, cycle=cycle, parity=parity))
-    return phases
-
-
-def _visit_schedule(lv: LevelConfig, name: str, visit: int) -> tuple[int, LRConfig]:
-    """Steps and schedule of ``visit`` of a level, a phase called ``name``."""
-    if lv.visits is not None:
-        return lv.visits[visit].steps, lv.visits[visit].lr
-    if name == "after":
-        return lv.steps_after, lv.lr_after or lv.lr_before
-    return lv.steps_before, lv.lr_before
 
 
 def lr_factor(step: int, total: int, lr: LRConfig) -> float:
