@@ -144,8 +144,8 @@ def test_variants_share_the_token_budget():
 
     configs = variant_configs(BASE, steps=100, fine_lr=1e-3, budget="tokens")
     assert {name: _budget(cfg)[0] for name, cfg in configs.items()} == {
-        "scratch": 100, "vcycle2": 100, "vcycle3": 100, "wcycle2": 100, "fcycle2": 100, "stacking": 100,
-        "stacking3": 100, "ode2": 100}
+        "scratch": 100, "coarse": 100, "vcycle2": 100, "vcycle3": 100, "wcycle2": 100, "fcycle2": 100,
+        "stacking": 100, "stacking3": 100, "ode2": 100}
     stack = load_config(configs["stacking"])
     assert stack.multilevel.cycle == "grow" and stack.level_models()[1].num_layers == 4
     assert stack.level_models()[1].hidden_size == 64
@@ -180,6 +180,25 @@ def test_variants_coalesce_the_shape_asked_for():
         variant_configs(BASE, steps=100, fine_lr=1e-3, shape="heads")
 
 
+def test_the_coarse_model_alone_is_the_cycles_coarse_model_on_the_whole_budget():
+    """The control: the cycles' coarse model trained from scratch, on scratch's FLOPs (or tokens),
+    with its own warm-up, the same share of its steps as scratch's, at the coarse rate."""
+    for shape, rate in (("depth", 1e-3), ("width+depth", 3e-3)):
+        configs = variant_configs(BASE, steps=100, fine_lr=1e-3, warmup=10, shape=shape)
+        control, cycle = load_config(configs["coarse"]), load_config(configs["vcycle2"])
+        assert control.model == cycle.level_models()[1], shape
+        assert not control.multilevel.enabled
+        # scratch's FLOPs over the FLOPs of one of its steps (FLOPs accounting: tests/test_flops.py)
+        _, fine_flops = _budget(configs["scratch"])
+        steps, flops = _budget(configs["coarse"])
+        assert steps == int(fine_flops / (flops / steps)), shape
+        assert control.training.lr.peak == pytest.approx(rate), shape
+        assert control.training.lr.warmup_steps == round(10 * steps / 100), shape
+    tokens = variant_configs(BASE, steps=100, fine_lr=1e-3, warmup=10, shape="depth", budget="tokens")
+    assert load_config(tokens["coarse"]).training.train_steps == 100
+    assert set(variant_configs(BASE, steps=100, fine_lr=1e-3, methods=["coarse"])) == {"scratch", "coarse"}
+
+
 def test_coarse_learning_rate_factor_set_for_any_shape():
     def coarse_peaks(**kw):
         configs = variant_configs(BASE, steps=400, fine_lr=1e-3, **kw)
@@ -209,13 +228,13 @@ def _bench(tmp_path, *extra):
 def test_benchmark_end_to_end(tmp_path):
     inputs = make_corpus(tmp_path / "corpus")
     assert preprocess(inputs, tmp_path / "gpt").returncode == 0
-    methods = ["vcycle2", "fcycle2", "stacking"]
+    methods = ["coarse", "vcycle2", "fcycle2", "stacking"]
     result = _bench(tmp_path, "--methods", *methods, "--fractions", "0.5", "1.0")
     kept = tmp_path / "kept"
     results = json.loads((kept / "results.json").read_text())
     assert list(results["methods"]) == ["scratch", *methods]
     assert {n: m["family"] for n, m in results["methods"].items()} == {
-        "scratch": "scratch", "vcycle2": "vcycle", "fcycle2": "fcycle", "stacking": "stacking"}
+        "scratch": "scratch", "coarse": "coarse", "vcycle2": "vcycle", "fcycle2": "fcycle", "stacking": "stacking"}
     runs = {p.stem: json.loads(p.read_text()) for p in (kept / "runs").glob("*.json")}
     assert sorted(runs) == sorted(["scratch-f1-s1234"] + [f"{m}-f{f}-s1234" for m in methods for f in ("0.5", "1")])
     assert {r["version"] for r in runs.values()} == {results["version"]}
@@ -306,6 +325,31 @@ def test_normalised_wall_clock_by_hand():
     assert tool.family("fcycle2-depth-ea0.1") == "fcycle" and tool.family("scratch") == "scratch"
 
 
+def test_the_table_says_where_the_smaller_model_suffices():
+    """The coarse model alone, where its full-budget run reaches scratch's final loss in a seed, is
+    marked in the table (the smaller model is then the better choice at this budget); elsewhere not."""
+    tool = _tool()
+
+    times = {"8x256": {"seconds_per_step": 1.0}, "4x256": {"seconds_per_step": 0.5}}
+
+    def run(method, seed, loss):
+        shape = {"num_layers": 4 if method == "coarse" else 8, "hidden_size": 256}
+        valid = [{"flops": 50.0, "tokens": 1, "seconds": 1.0, "loss": 5.0, "level": 0},
+                 {"flops": 100.0, "tokens": 2, "seconds": 2.0, "loss": loss, "level": 0}]
+        return {"method": method, "seed": seed, "fraction": 1.0, "valid": valid,
+                "phases": [{"steps": 10, "model": shape, "flops": 100.0}],
+                "totals": {"final_valid_loss": loss, "flops": 100.0, "wall_seconds": 2.0}}
+
+    results = [run("scratch", 1, 3.9), run("scratch", 2, 3.8),
+               run("coarse", 1, 3.7), run("coarse", 2, 3.85),  # better than scratch in seed 1 only
+               run("fcycle2", 1, 3.6), run("fcycle2", 2, 3.5)]
+    table = tool.table(tool.collect(results, times))
+    assert "| coarse (the smaller model suffices: 1/2 seeds) |" in table
+    assert "| fcycle2 |" in table and "| scratch |" in table
+    worse = [r for r in results if r["method"] != "coarse"] + [run("coarse", 1, 4.0), run("coarse", 2, 3.9)]
+    assert "| coarse |" in tool.table(tool.collect(worse, times))
+
+
 def test_ode_variant_schedule():
     """ode2: four cycles of (ea/2 fine, coarse_share/4 coarse, ea/2 fine) at a constant rate, then the
     fine level with what the budget leaves, decaying; the coarse model keeps every other layer."""
@@ -353,7 +397,8 @@ def test_ode_variant_coarse_first():
 
 
 def test_variants_on_one_schedule():
-    """``lr_schedule="continue"``: every method but scratch runs one schedule over its run, and
+    """``lr_schedule="continue"``: every method but the two from scratch (the fine model and the
+    coarse model alone) runs one schedule over its run, and
     every config builds (the ODE strategy's cycles then decay with the run instead of staying
     constant, so its phases agree on one decay)."""
     from megatron_multilevel.training.schedule import build_phases
@@ -361,7 +406,7 @@ def test_variants_on_one_schedule():
     configs = variant_configs(BASE, steps=400, fine_lr=1e-3, ea=0.1, lr_schedule="continue")
     assert "lr_schedule" not in configs["scratch"]["multilevel"]
     for name, cfg in configs.items():
-        if name == "scratch":
+        if name in ("scratch", "coarse"):
             continue
         phases = build_phases(load_config(cfg))
         assert load_config(cfg).multilevel.lr_schedule == "continue", name

@@ -114,7 +114,7 @@ def variants(args, base: dict) -> dict[str, dict]:
     main = methods()
     for name in args.methods:
         out[name] = main[name]
-    cycles = [name for name in args.methods if not name.startswith("stacking")] or ["vcycle2"]
+    cycles = [name for name in args.methods if not name.startswith(("stacking", "coarse"))] or ["vcycle2"]
     sweeps = [("alpha", a, dict(alpha=a)) for a in args.alpha[1:]]
     sweeps += [("ea", e, dict(ea=e)) for e in args.ea[1:]]
     sweeps += [("coarse", c, dict(coarse_share=c)) for c in args.coarse_share[1:]]
@@ -335,7 +335,7 @@ def collect(results: list[dict], times: dict) -> dict:
 
 
 def family(name: str) -> str:
-    for prefix in ("scratch", "vcycle", "wcycle", "fcycle", "ode", "stacking"):
+    for prefix in ("scratch", "coarse", "vcycle", "wcycle", "fcycle", "ode", "stacking"):
         if name.startswith(prefix):
             return prefix
     raise AssertionError(f"method {name!r} has no family")
@@ -360,12 +360,27 @@ def table(results: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for name, m in results["methods"].items():
         loss = m["final_valid_loss"]
+        suffices = smaller_model_suffices(m)
+        if suffices:
+            name += f" (the smaller model suffices: {suffices})"
         lines.append(
             f"| {name} | {'n/a' if loss['median'] is None else format(loss['median'], '.4f')} "
             f"| {equal(m, 'eq_saving_flops')} | {equal(m, 'eq_saving_seconds_normalized')} "
             f"| {equal(m, 'eq_saving_seconds')} | {pct(m['crossing_saving_flops'])} "
             f"| {pct(m['crossing_saving_seconds_normalized'])} | {pct(m['crossing_saving_seconds'])} |")
     return "\n".join(lines)
+
+
+def smaller_model_suffices(method: dict) -> "str | None":
+    """For the coarse model alone: in how many seeds its full-budget run reaches scratch's final loss
+    (``"2/2 seeds"``), or None (another method, or no seed reached it). Where it does, the smaller
+    model is the better choice at this budget, and a multilevel saving shows only that the full
+    model was not needed yet."""
+    if method["family"] != "coarse":
+        return None
+    rows = [row for row in method["seeds"] if row["final_valid_loss"].get("1") is not None]
+    reached = sum(row["final_valid_loss"]["1"] <= row["target_loss"] for row in rows)
+    return f"{reached}/{len(rows)} seed{'s' if len(rows) > 1 else ''}" if reached else None
 
 
 def plots(out_dir: str, results: list[dict], target: float) -> list[str]:
@@ -506,7 +521,7 @@ def main(argv=None) -> int:
     return 0
 
 
-METHODS = ["vcycle2", "vcycle3", "wcycle2", "fcycle2", "stacking", "stacking3", "ode2"]
+METHODS = ["coarse", "vcycle2", "vcycle3", "wcycle2", "fcycle2", "stacking", "stacking3", "ode2"]
 
 
 def _reusable(path: str, version: str, config: dict) -> bool:

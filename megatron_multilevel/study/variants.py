@@ -5,9 +5,10 @@ budget (:func:`compress`).
 """
 
 import copy
+import dataclasses
 from typing import Sequence
 
-from megatron_multilevel.config import load_config
+from megatron_multilevel.config import coarse_model_config, load_config
 from megatron_multilevel.flops import flops_per_token
 
 
@@ -112,6 +113,10 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
       level from scratch, grown to the fine level (no interpolation partner yet), ``ea`` fine,
       ``fcycle_revisit`` times the first coarse steps at the coarse level again, then the rest
       fine after interpolating with ``alpha``;
+    - ``coarse``: the control: the cycles' coarse model (of ``shape``, at the coarse rate) trained
+      alone from scratch for the whole budget, with its own warm-up (the same share of its steps
+      as scratch's) and decay. Where it reaches scratch's final loss, the smaller model suffices at
+      this budget, and a multilevel saving shows only that the full model was not needed yet;
     - ``stacking``: progressive stacking, a half-depth model trained from scratch for
       ``coarse_share`` of the steps, its layers stacked to full depth, the rest at full depth;
     - ``stacking3``: three stages, a quarter-depth model from scratch for half of ``coarse_share``
@@ -239,12 +244,27 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
         {"visits": [{"steps": first, "lr": {"peak": coarse_lr, "warmup_steps": warmup}},
                     {"steps": second, "lr": {"peak": coarse_lr, "warmup_steps": 0}}]},
     ]})
-    out = {"scratch": scratch, "vcycle2": vcycle2, "vcycle3": vcycle3, "wcycle2": wcycle2, "fcycle2": fcycle2,
+    out = {"scratch": scratch, "coarse": _coarse_alone(scratch, steps if budget == "tokens" else int(steps / r2[1]),
+                                                       coarse_lr, shape),
+           "vcycle2": vcycle2, "vcycle3": vcycle3, "wcycle2": wcycle2, "fcycle2": fcycle2,
            "stacking": stacking, "stacking3": stacking3}
     if methods is None or "ode2" in methods:
         out["ode2"] = _ode_variant(steps, fine_lr, ea=ea, coarse_share=coarse_share, budget=budget, r=r_stack[1],
                                    warmup=warmup, ode=ode, lr_schedule=lr_schedule, config=config)
     return out if methods is None else {name: cfg for name, cfg in out.items() if name == "scratch" or name in methods}
+
+
+def _coarse_alone(scratch: dict, steps: int, peak: float, shape: dict) -> dict:
+    """``scratch`` (a from-scratch config of the fine model) for the coarse model of ``shape`` instead:
+    ``steps`` steps at ``peak``, its warm-up the same share of its steps as scratch's."""
+    out = copy.deepcopy(scratch)
+    fine = load_config(scratch).model
+    coarse = coarse_model_config(fine, width=shape["coalesce_width"], depth=shape["coalesce_depth"])
+    out["model"] = dataclasses.asdict(coarse)
+    lr = out["training"]["lr"]
+    warmup = round(lr.get("warmup_steps", 0) * steps / out["training"]["train_steps"])
+    out["training"].update(train_steps=steps, lr={**lr, "peak": peak, "warmup_steps": warmup})
+    return out
 
 
 ODE_DEFAULTS = {"coarse": "alternate", "residual_scale": 2, "prolongation": "correction", "coherence": "first_order",
