@@ -44,14 +44,14 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("trainer-alpha", "(a) the trainer interpolates with alpha 1.0 whatever the config says",
+    Mutation("trainer-alpha", "(a) the coalescing cycle interpolates with alpha 1.0 whatever the config says",
              ((COALESCE, "alpha = 1.0 if before is None else ml.alpha_of(nxt.level)", "alpha = 1.0"),),
              tuple(TRANSITIONS)),
-    Mutation("trainer-global-alpha", "the trainer uses the global alpha, not each level's",
+    Mutation("trainer-global-alpha", "the coalescing cycle uses the global alpha, not each level's",
              ((COALESCE, "alpha = 1.0 if before is None else ml.alpha_of(nxt.level)",
                "alpha = 1.0 if before is None else ml.alpha"),),
              tuple(TRANSITIONS)),
-    Mutation("trainer-map", "(b) the trainer ignores optimizer_state 'map'",
+    Mutation("trainer-map", "(b) the coalescing cycle ignores optimizer_state 'map'",
              ((COALESCE, "mapped = self._mapped_state()\n        old = release()",
                "mapped = ()\n        old = release()"),),
              tuple(TRANSITIONS)),
