@@ -2,7 +2,7 @@
 
 Pure (standard library only), so that the config's checks and the schedule's phases read one
 source: the config asks which levels a cycle grows (``arrivals``), the schedule builds a phase per
-visit from the same two functions.
+visit from the same functions (``ode_arrivals`` for the ODE strategy's phases).
 """
 
 from typing import Literal, Optional
@@ -51,3 +51,11 @@ def _arrival(previous: Optional[int], level: int, coalesced: set) -> Arrival:
         coalesced.remove(level)
         return "decoalesce"
     return "grow"
+
+
+def ode_arrivals(levels: list[int]) -> list[Arrival]:
+    """How each phase of the ODE strategy (at ``levels``, 0 fine, 1 coarse) is reached: ``fresh``
+    (the first), ``restrict`` (fine to coarse), ``prolong`` (coarse to fine) or ``continue`` (the
+    same level in a new phase)."""
+    return ["fresh" if i == 0 else "restrict" if level > levels[i - 1] else "prolong" if level < levels[i - 1]
+            else "continue" for i, level in enumerate(levels)]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_multilevel.config import LRConfig, RunConfig
-from megatron_multilevel.cycles import Arrival, arrivals
+from megatron_multilevel.cycles import Arrival, arrivals, ode_arrivals
 
 
 @dataclass(frozen=True)
@@ -70,21 +70,11 @@ def build_phases(cfg: RunConfig) -> list[Phase]:
         return [Phase(0, 0, cfg.training.train_steps, cfg.training.lr, "scratch", visit=0, arrival="fresh")]
     specs = ml.phase_specs()
     levels = [spec.level for spec in specs]
-    if ml.strategy == "ode":
-        how = [_ode_arrival(levels[i - 1] if i else None, level) for i, level in enumerate(levels)]
-    else:
-        how = arrivals(ml.walk())
+    how = ode_arrivals(levels) if ml.strategy == "ode" else arrivals(ml.walk())
     phases = [Phase(i, spec.level, spec.steps, spec.lr, spec.name, visit=levels[:i].count(spec.level), arrival=arrival,
                     cycle=spec.cycle, parity=spec.parity)
               for i, (spec, arrival) in enumerate(zip(specs, how))]
     return _continued(phases) if ml.lr_schedule == "continue" else phases
-
-
-def _ode_arrival(previous: Optional[int], level: int) -> Arrival:
-    """How the ODE strategy reaches a phase at ``level`` from one at ``previous``."""
-    if previous is None:
-        return "fresh"
-    return "restrict" if level > previous else "prolong" if level < previous else "continue"
 
 
 def _continued(phases: list[Phase]) -> list[Phase]:
