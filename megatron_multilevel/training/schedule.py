@@ -15,6 +15,10 @@ coarsest level always does, every other visit trains ``steps_after``; ``levels[i
 replaces the rule. AdamW restarts at every phase unless ``optimizer_state = "map"`` carries its
 moments; the learning-rate schedule restarts at every phase (the paper's choice) or, with
 ``multilevel.lr_schedule = "continue"``, runs once over the whole run (``Phase.lr_factor``).
+
+The config says each phase's level, steps and schedule (``MultilevelConfig.phase_specs``, checked
+when it is read); ``cycles.py`` says how each is reached; this module makes them ``Phase`` objects
+and holds the learning rate within each.
 """
 
 import dataclasses
