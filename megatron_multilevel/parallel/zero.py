@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 StateKey = Optional[Literal["exp_avg", "exp_avg_sq", "momentum_buffer"]]
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def gather_range(part: torch.Tensor, group, start: int, stop: int, device=None) -> torch.Tensor:
@@ -82,11 +81,6 @@ def inner_torch_optimizer(optimizer):
     while hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
     return optimizer
-
-
-def materialize_adam_state(optimizer) -> None:
-    """Create Adam's state (zero moments, step 0) for every parameter that has none yet."""
-    materialize_optimizer_state(optimizer, ADAM_KEYS)
 
 
 def materialize_optimizer_state(optimizer, keys: Sequence[str]) -> None:

@@ -43,11 +43,7 @@ class Trainer:
         self.phases = build_phases(cfg)
         self.levels = LevelEngines(cfg, dist.get_world_size())
         self.ctx = RunContext(cfg, self.phases, self.levels)
-        self.run_dir = self.ctx.run_dir
         self.rank = dist.get_rank()
-        self.total_steps = self.ctx.total_steps
-        self.seq = self.ctx.seq
-        self.tokens_per_step = self.ctx.tokens_per_step
         self.engine = None
         ml = cfg.multilevel
         self.cycle = OdeCycle(self.ctx) if ml.enabled and ml.strategy == "ode" else CoalesceCycle(self.ctx)
@@ -67,15 +63,16 @@ class Trainer:
         if sidecar["model"] != ours:
             diff = sorted(k for k in ours if sidecar["model"].get(k) != ours[k])
             raise ValueError(
-                f"the checkpoint in {self.run_dir} is from a different model (model.{', model.'.join(diff)} "
+                f"the checkpoint in {self.ctx.run_dir} is from a different model (model.{', model.'.join(diff)} "
                 f"differ); use another training.output_dir"
             )
         saved = sidecar.get("config_phases")
         if saved is not None and saved != self._config_phases():
-            raise ValueError(f"the checkpoint in {self.run_dir} follows a different schedule; use another training.output_dir")
+            raise ValueError(f"the checkpoint in {self.ctx.run_dir} follows a different schedule; "
+                             f"use another training.output_dir")
 
     def _start(self) -> RunState:
-        found = checkpoint.read_latest(self.run_dir)
+        found = checkpoint.read_latest(self.ctx.run_dir)
         sidecar = found[1] if found else None
         if sidecar is not None:
             self._check_resumable(sidecar)
@@ -84,20 +81,20 @@ class Trainer:
             state = RunState()
             phase = self.phases[0]
             self.engine = self.ctx.engine(self.levels.build_initial_model(phase.level), phase)
-            self.ctx.metrics = Metrics(self.run_dir, enabled=self.rank == 0)
+            self.ctx.metrics = Metrics(self.ctx.run_dir, enabled=self.rank == 0)
             if self.rank == 0:
-                with open(os.path.join(self.run_dir, "config.json"), "w") as f:
+                with open(os.path.join(self.ctx.run_dir, "config.json"), "w") as f:
                     json.dump(config_to_dict(self.cfg), f, indent=1)
             return state
         tag, sidecar = found
         state = checkpoint.state_of(sidecar)
         self.ctx.state = state
-        self.ctx.metrics = Metrics(self.run_dir, enabled=self.rank == 0, resume_global_step=state.global_step)
+        self.ctx.metrics = Metrics(self.ctx.run_dir, enabled=self.rank == 0, resume_global_step=state.global_step)
         self.ctx.metrics.say(f"resuming from {tag} (phase {state.phase + 1}/{len(self.phases)}, step {state.step})")
         self.cycle.restore(state)
         phase = self.phases[state.phase]
         self.engine = self.ctx.engine(self.levels.build_empty_model(phase.level), phase)
-        checkpoint.load(self.engine, self.run_dir, tag, restore_rng=sidecar["world_size"] == dist.get_world_size())
+        checkpoint.load(self.engine, self.ctx.run_dir, tag, restore_rng=sidecar["world_size"] == dist.get_world_size())
         self.cycle.resume(phase, tag, self.engine)
         self.ctx.metrics.record("resume", global_step=state.global_step, phase=state.phase, tag=tag)
         return state
@@ -118,7 +115,7 @@ class Trainer:
         if not math.isfinite(value):
             raise TrainingError(
                 f"loss is {value} at global step {global_step + 1}; stopped, the last good checkpoint "
-                f"in {checkpoint.checkpoint_dir(self.run_dir)} is kept"
+                f"in {checkpoint.checkpoint_dir(self.ctx.run_dir)} is kept"
             )
         return value
 
@@ -142,7 +139,8 @@ class Trainer:
     def _record_valid(self, phase: Phase, loss: float) -> None:
         c = self.ctx.state.counters
         self.ctx.metrics.record(
-            "valid", level=phase.level, phase=phase.index, step=self.ctx.state.step, global_step=self.ctx.state.global_step,
+            "valid", level=phase.level, phase=phase.index, step=self.ctx.state.step,
+            global_step=self.ctx.state.global_step,
             loss=loss, tokens=c["tokens"], flops=c["flops"], seconds=c["train_seconds"] + c["transition_seconds"],
         )
         self.ctx.metrics.say(f"[level {phase.level} | phase {phase.index + 1}/{len(self.phases)} | "
@@ -154,15 +152,16 @@ class Trainer:
 
     def _save(self) -> None:
         t0 = time.perf_counter()
-        meta = {**self._meta(), "config_phases": self._config_phases(), **self.cycle.meta(self.phases[self.ctx.state.phase])}
-        checkpoint.save(self.engine, self.run_dir, self.ctx.state, meta=meta, extra=self.cycle.save_extra)
-        checkpoint.rotate(self.run_dir, self.ctx.state, self.cfg.training.keep_checkpoints)
+        meta = {**self._meta(), "config_phases": self._config_phases(),
+                **self.cycle.meta(self.phases[self.ctx.state.phase])}
+        checkpoint.save(self.engine, self.ctx.run_dir, self.ctx.state, meta=meta, extra=self.cycle.save_extra)
+        checkpoint.rotate(self.ctx.run_dir, self.ctx.state, self.cfg.training.keep_checkpoints)
         self.ctx.state.counters["checkpoint_seconds"] += time.perf_counter() - t0
 
     def _train_phase(self, phase: Phase) -> None:
         state, c, t = self.ctx.state, self.ctx.state.counters, self.cfg.training
         level_cfg = self.levels.models[phase.level]
-        step_flops = flops_per_token(level_cfg, self.seq) * self.tokens_per_step
+        step_flops = flops_per_token(level_cfg, self.ctx.seq) * self.ctx.tokens_per_step
         window, window_start, timed = state.log_window, time.perf_counter(), 0
         while state.step < phase.steps:
             lr = self.engine.get_lr()[0]  # the rate this step applies, as the optimizer holds it
@@ -171,7 +170,7 @@ class Trainer:
             c["train_seconds"] += time.perf_counter() - t0
             state.step += 1
             state.global_step += 1
-            c["tokens"] += self.tokens_per_step
+            c["tokens"] += self.ctx.tokens_per_step
             c["flops"] += step_flops
             checkpoint.crash_point(f"step{state.global_step}")
             window.append(loss)
@@ -179,7 +178,7 @@ class Trainer:
             if state.step % t.log_interval == 0 or state.step == phase.steps:
                 self._phase_row(phase)["train_loss"] = sum(window) / len(window)
                 elapsed = time.perf_counter() - window_start
-                tps = timed * self.tokens_per_step / max(elapsed, 1e-9)
+                tps = timed * self.ctx.tokens_per_step / max(elapsed, 1e-9)
                 self.ctx.metrics.record(
                     "train", level=phase.level, phase=phase.index, step=state.step, global_step=state.global_step,
                     loss=sum(window) / len(window), lr=lr, tokens=c["tokens"], flops=c["flops"],
@@ -187,7 +186,7 @@ class Trainer:
                 )
                 self.ctx.metrics.progress(
                     level=phase.level, phase=phase.index, num_phases=len(self.phases), step=state.step,
-                    steps=phase.steps, global_step=state.global_step, total_steps=self.total_steps,
+                    steps=phase.steps, global_step=state.global_step, total_steps=self.ctx.total_steps,
                     loss=sum(window) / len(window), lr=lr, tokens_per_s=tps, elapsed=time.perf_counter() - self.started,
                     eta=self._eta(), compute=c["flops"] / self._fine_only_flops(c["tokens"]),
                 )
@@ -200,7 +199,7 @@ class Trainer:
 
     def _fine_only_flops(self, tokens: int) -> float:
         """FLOPs the fine model alone would spend on ``tokens``."""
-        return flops_per_token(self.levels.models[0], self.seq) * tokens
+        return flops_per_token(self.levels.models[0], self.ctx.seq) * tokens
 
     def _eta(self) -> float:
         """Seconds left, from the FLOPs left and the FLOP rate so far."""
@@ -209,7 +208,7 @@ class Trainer:
         left = 0.0
         for p in self.phases[self.ctx.state.phase:]:
             steps = p.steps - (self.ctx.state.step if p.index == self.ctx.state.phase else 0)
-            left += steps * flops_per_token(self.levels.models[p.level], self.seq) * self.tokens_per_step
+            left += steps * flops_per_token(self.levels.models[p.level], self.ctx.seq) * self.ctx.tokens_per_step
         return left * c["train_seconds"] / done if done else 0.0
 
     def _phase_row(self, phase: Phase) -> dict:
@@ -220,8 +219,8 @@ class Trainer:
                 "phase": p.index, "name": p.name, "level": p.level, "steps": p.steps,
                 "model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
                           "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_hidden_size},
-                "tokens": p.steps * self.tokens_per_step,
-                "flops": p.steps * flops_per_token(m, self.seq) * self.tokens_per_step,
+                "tokens": p.steps * self.ctx.tokens_per_step,
+                "flops": p.steps * flops_per_token(m, self.ctx.seq) * self.ctx.tokens_per_step,
                 "train_seconds_start": self.ctx.state.counters["train_seconds"],
                 "transition_seconds": 0.0, "train_loss": None, "valid_loss": None,
                 **self.cycle.phase_fields(p),
@@ -260,11 +259,11 @@ class Trainer:
     def run(self) -> dict:
         self.started = time.perf_counter()
         self.ctx.state = self._start()
-        train_samples = self.total_steps * self.levels.global_batch
+        train_samples = self.ctx.total_steps * self.levels.global_batch
         valid_samples = self.cfg.training.eval_batches * self.levels.global_batch
         self.ctx.data = build_data(self.cfg, train_samples=train_samples, valid_samples=valid_samples)
         self.ctx.metrics.say(
-            f"{len(self.phases)} phase(s), {self.total_steps} steps of {self.levels.global_batch} x {self.seq} "
+            f"{len(self.phases)} phase(s), {self.ctx.total_steps} steps of {self.levels.global_batch} x {self.ctx.seq} "
             f"tokens on {dist.get_world_size()} rank(s); levels: "
             + ", ".join(f"{m.num_layers}x{m.hidden_size}{_layout_note(tp, sp)}" for m, tp, sp in
                         zip(self.levels.models, self.cfg.level_tp_sizes(), self.cfg.level_sequence_parallel()))
@@ -293,13 +292,13 @@ class Trainer:
         phases = [{k: v for k, v in row.items() if k != "train_seconds_start"} for row in self.ctx.state.phases]
         summary = {
             "phases": phases,
-            "totals": {**c, "wall_seconds": c["train_seconds"] + c["transition_seconds"], "steps": self.total_steps,
+            "totals": {**c, "wall_seconds": c["train_seconds"] + c["transition_seconds"], "steps": self.ctx.total_steps,
                        "final_valid_loss": self.ctx.state.phases[-1]["valid_loss"]},
             "multilevel": self.cfg.multilevel.enabled,
             "strategy": self.cfg.multilevel.strategy,
         }
         if self.rank == 0:
-            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            with open(os.path.join(self.ctx.run_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=1)
             self.ctx.metrics.say(
                 f"done: final validation loss {summary['totals']['final_valid_loss']:.4f}, "
