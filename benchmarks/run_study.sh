@@ -114,10 +114,32 @@ ABLATION_B582310=(  # the previous recipe's ablation (pin b582310: benchmarks/ab
 
 POINTS[ablation-8x256-480-b582310]="${POINTS[ablation-8x256-480]}"
 
+# The regime study (docs/benchmarks.md, "Where it pays"): points at 20 and more tokens per parameter
+# (the embedding counted, as Chinchilla does), on models small enough for that on 2 CPU cores. Its
+# own pins: benchmarks/<point>/STUDY_COMMIT. The two controls first, since they decide whether a
+# point can show anything: training from scratch tuned (peak learning rate at 0.5x, 1x and 2x the
+# size's) and the coarse model alone (at the cycles' coarse rate and at twice it); then the
+# schedules, swept with one seed at the full budget (a line marked "once:" runs with the first seed
+# only): the coarse share, the second coarse visit's length, stacking with the same levers and as
+# published. The schedules that matter then get the second seed and the budget fractions.
+LONG=(
+  "once: --recipe --methods coarse --scratch-lr 0.001 0.002 0.004 --fractions 1.0"  # the controls
+  "once: --recipe --methods coarse --coarse-lr-factor 2 --tag=-lr2 --fractions 1.0"
+  "once: --recipe --coarse-share 0.8 0.5 0.65 --fractions 1.0"                     # the coarse share
+  "once: --recipe --fcycle-revisit 0.25 --tag=-revisit0.25 --fractions 1.0"         # the second visit
+  "once: --recipe --fcycle-revisit 0.75 --tag=-revisit0.75 --fractions 1.0"
+  "once: --methods stacking --depth-scaling identity --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue --fractions 1.0"
+  "once: --methods stacking --depth-scaling ode --fractions 1.0"
+)
+POINTS[long-4x64-4600]="--size cpu-4x64 --steps 4600"   # 0.24M parameters, 20 tokens per parameter
+POINTS[long-8x64-8500]="--size cpu-8x64 --steps 8500"   # 0.44M parameters, 20 tokens per parameter
+LONG_POINTS=(long-4x64-4600 long-8x64-8500)
+
 recipes_of() {  # the recipe lines of a point
   case "$1" in
     ablation-8x256-480-b582310) printf '%s\n' "${ABLATION_B582310[@]}" ;;
     ablation-*) printf '%s\n' "${ABLATION[@]}" ;;
+    long-*) printf '%s\n' "${LONG[@]}" ;;
     *) printf '%s\n' "${RECIPES[@]}" ;;
   esac
 }
@@ -127,7 +149,7 @@ if [[ "${1:-}" == "--seeds" ]]; then
   max_seeds="${2:?--seeds takes a number}"; shift 2
 fi
 if [[ "${1:-}" == "--list" ]]; then
-  for point in "${ORDER[@]}" ablation-8x256-480 ablation-8x256-480-b582310; do
+  for point in "${ORDER[@]}" ablation-8x256-480 ablation-8x256-480-b582310 "${LONG_POINTS[@]}"; do
     while IFS= read -r recipe; do
       echo "$point: ${POINTS[$point]} $recipe (seeds 1234 to $((1233 + ${SEEDS[$point]:-2})))"
     done < <(recipes_of "$point")
@@ -168,6 +190,10 @@ for point in "${points[@]}"; do
   mapfile -t recipes < <(recipes_of "$point")
   for ((s = 0; s < seeds; s++)); do
     for recipe in "${recipes[@]}"; do  # each line adds its method; the last report shows them all
+      if [[ "$recipe" == "once: "* ]]; then  # a sweep: the first seed only
+        [[ $s -eq 0 ]] || continue
+        recipe="${recipe#once: }"
+      fi
       # a run that fails (a port taken at its rendezvous by another job on the machine) is tried
       # again, twice: the benchmark runs only what is missing and resumes from the last checkpoint
       # (run directories per pin: a run never resumes from another code's checkpoint)

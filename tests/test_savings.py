@@ -623,3 +623,34 @@ def test_phase_leads_against_scratch_at_equal_flops(tmp_path):
     assert leads[1]["lead"] == pytest.approx([0.3, 0.1])  # scratch at 3.5 and 2.0 (+0.1 for the median)
     assert ("| cpu-4x128-960 | fcycle2 | 2 | 1: 30, 0: 10, 0: 10 | +0.600, +0.450, +0.200 |"
             in report.leads_table(leads))
+
+
+def test_savings_are_against_the_best_tuned_scratch():
+    """Of the scratch runs at several learning rates, the one ending lowest (median over seeds, among
+    the rates run with every seed) is the baseline; the others stay in the table with what they lose."""
+    tool = _tool()
+    times = {"8x256": {"seconds_per_step": 1.0}}
+
+    def run(method, seed, loss, fraction=1.0):
+        valid = [{"flops": 50.0 * fraction, "tokens": 1, "seconds": 1.0, "loss": 5.0, "level": 0},
+                 {"flops": 100.0 * fraction, "tokens": 2, "seconds": 2.0, "loss": loss, "level": 0}]
+        return {"method": method, "seed": seed, "fraction": fraction, "valid": valid,
+                "phases": [{"steps": 10, "model": {"num_layers": 8, "hidden_size": 256}, "flops": 100.0 * fraction}],
+                "totals": {"final_valid_loss": loss, "flops": 100.0 * fraction, "wall_seconds": 2.0 * fraction}}
+
+    results = [run("scratch", 1, 3.9), run("scratch", 2, 3.8),
+               run("scratch-lr0.004", 1, 3.7), run("scratch-lr0.004", 2, 3.75),
+               run("scratch-lr0.001", 1, 4.0), run("scratch-lr0.001", 2, 4.1),
+               run("scratch-lr0.008", 1, 3.0),  # one seed only: not a candidate
+               run("fcycle2", 1, 3.6), run("fcycle2", 2, 3.72), run("fcycle2", 1, 3.8, 0.5), run("fcycle2", 2, 3.8, 0.5)]
+    summary = tool.collect(results, times)
+    assert summary["baseline"] == "scratch-lr0.004"
+    first = summary["methods"]["fcycle2"]["seeds"][0]
+    assert first["target_loss"] == 3.7
+    # seed 1: 3.6 at the full budget, 3.8 at half; 3.7 is reached at three quarters
+    assert first["eq_saving_flops"] == pytest.approx(0.25)
+    # seed 2: 3.72 at the full budget, 3.8 at half; 3.75 at 0.5 + 0.5 * 0.05 / 0.08
+    assert summary["methods"]["fcycle2"]["seeds"][1]["eq_saving_flops"] == pytest.approx(1 - (0.5 + 0.5 * 0.05 / 0.08))
+    # the untuned scratch stays beside it, with the FLOPs it would have needed: never reached
+    assert summary["methods"]["scratch"]["final_valid_loss"]["median"] == pytest.approx(3.85)
+    assert "| scratch-lr0.004 |" in tool.table(summary) and "| scratch |" in tool.table(summary)

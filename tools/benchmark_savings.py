@@ -47,6 +47,15 @@ SIZES = {
     "cpu-small": dict(model={"kind": "gpt", "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
                              "vocab_size": 4096, "max_sequence_length": 64},
                       seq=64, batch=16, steps=960, fine_lr=2e-3),
+    # The regime study's long points (docs/benchmarks.md, "Where it pays"): models small enough to
+    # train at 20 and more tokens per parameter on 2 CPU cores, on the embedded corpus at a 512-piece
+    # vocabulary (8.7 million tokens: about one epoch at 20 tokens per parameter of 8 x 64).
+    "cpu-4x64": dict(model={"kind": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                            "vocab_size": 512, "max_sequence_length": 64},
+                     seq=64, batch=16, steps=4600, fine_lr=2e-3),
+    "cpu-8x64": dict(model={"kind": "gpt", "num_layers": 8, "hidden_size": 64, "num_attention_heads": 4,
+                            "vocab_size": 512, "max_sequence_length": 64},
+                     seq=64, batch=16, steps=8500, fine_lr=2e-3),
     # The ODE paper's model (Lauga et al.: GPT decoder, 12 blocks, width 256, 8 heads) and optimizer
     # (SGD; with its momentum, as configs/gpt_ode_paper.json), at the CPU data budget.
     "ode-paper": dict(model={"kind": "gpt", "num_layers": 12, "hidden_size": 256, "num_attention_heads": 8,
@@ -98,7 +107,8 @@ def variants(args, base: dict) -> dict[str, dict]:
                   after_warmup=after_warmup, budget=args.budget, perturbation_std=args.perturbation)
     out = {}
     for lr in args.scratch_lr or [size["fine_lr"]]:
-        name = "scratch" if not args.scratch_lr or len(args.scratch_lr) == 1 else f"scratch-lr{lr:g}"
+        # the size's own rate is plain "scratch" (every earlier result's name); a tuned rate is named
+        name = "scratch" if lr == size["fine_lr"] else f"scratch-lr{lr:g}"
         out[name] = variant_configs(base, fine_lr=lr, methods=[], **common)["scratch"]
     given = dict(fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
                  depth_scaling=args.depth_scaling, shape=args.shape, depth_pairing=args.depth_pairing,
@@ -287,8 +297,7 @@ def collect(results: list[dict], times: dict) -> dict:
     def records(run):
         return [{**r, "type": "valid"} for r in run["valid"]]
 
-    baseline = "scratch" if any(r["method"] == "scratch" for r in results) else sorted(
-        r["method"] for r in results if r["method"].startswith("scratch"))[0]
+    baseline = best_scratch(results)
     seeds = sorted({r["seed"] for r in results if r["method"] == baseline and r["fraction"] == 1.0})
     names = list(dict.fromkeys(r["method"] for r in results))
     methods = {}
@@ -332,6 +341,25 @@ def collect(results: list[dict], times: dict) -> dict:
                          "final_valid_loss": summarize([row["final_valid_loss"].get("1") for row in per_seed]),
                          "seeds": per_seed}
     return {"baseline": baseline, "seeds": seeds, "methods": methods}
+
+
+def best_scratch(results: list[dict]) -> str:
+    """The baseline: of the scratch runs at each learning rate (``--scratch-lr``), the rate whose
+    full-budget runs end lowest (median over its seeds), among the rates run with the most seeds, so
+    that every saving is measured against the best-tuned training from scratch of the point."""
+    finals: dict[str, dict[int, float]] = {}
+    for r in results:
+        if family(r["method"]) == "scratch" and r["fraction"] == 1.0:
+            finals.setdefault(r["method"], {})[r["seed"]] = r["totals"]["final_valid_loss"]
+    assert finals, "no run of training from scratch at the full budget"
+    most = max(len(by_seed) for by_seed in finals.values())
+
+    def median(values):
+        values = sorted(values)
+        return (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
+
+    return min((name for name, by_seed in finals.items() if len(by_seed) == most),
+               key=lambda name: (median(finals[name].values()), name))
 
 
 def family(name: str) -> str:
