@@ -29,3 +29,25 @@ def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
 def forward_flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     """A forward pass alone: a third of the training FLOPs (the backward pass costs twice the forward)."""
     return flops_per_token(cfg, seq_length) / 3.0
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Every parameter of the Megatron-Core model ``cfg`` builds, embeddings included (as Chinchilla
+    counts them): what "tokens per parameter" divides by. By formula, so that a planner can size a
+    model it never builds (tested against the built models' counts)."""
+    h, f, b = cfg.hidden_size, cfg.ffn_hidden_size, int(cfg.add_bias_linear)
+    norm = 2 * h if cfg.normalization == "LayerNorm" else h
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels
+    attn = cfg.num_attention_heads * cfg.kv_channels
+    up = f * (2 if cfg.gated else 1)
+    layer = norm + (h + b) * qkv + attn * h + b * h + norm + (h + b) * up + f * h + b * h
+    total = cfg.num_layers * layer + norm + cfg.vocab_size * h
+    if cfg.position_embedding_type == "learned_absolute":
+        total += cfg.max_sequence_length * h
+    if not cfg.share_embeddings_and_output_weights:
+        total += cfg.vocab_size * h
+    if cfg.kind == "bert":
+        total += cfg.num_tokentypes * h + h * h + h + norm + cfg.vocab_size  # token types, LM head, its bias
+        if cfg.add_binary_head:
+            total += h * h + h + 2 * h + 2  # pooler and the binary head
+    return total

@@ -74,3 +74,22 @@ def test_grouped_query_swiglu():
     expected = 6 * weights + attention
     assert expected == 2_734_080
     assert flops_per_token(cfg, seq) == expected
+
+
+@pytest.mark.parametrize("changes", [
+    {},  # the default GPT: tied embeddings, LayerNorm, biases, learned positions
+    {"num_layers": 8, "hidden_size": 64, "vocab_size": 512, "max_sequence_length": 64},
+    {"share_embeddings_and_output_weights": False, "normalization": "RMSNorm", "activation": "swiglu",
+     "position_embedding_type": "rope", "add_bias_linear": False, "num_query_groups": 2},
+    {"kind": "bert", "num_tokentypes": 2, "add_binary_head": True},
+    {"kind": "bert"},
+])
+def test_parameter_count_is_the_built_models(changes):
+    """The formula counts what Megatron-Core builds, embeddings included."""
+    from megatron_multilevel.distributed import init_single_process
+    from megatron_multilevel.flops import parameter_count
+    from megatron_multilevel.models import build_model
+
+    init_single_process()
+    cfg = ModelConfig(**changes)
+    assert parameter_count(cfg) == sum(p.numel() for p in build_model(cfg).parameters())

@@ -501,14 +501,14 @@ def _study_results(commit: str, seeds: dict) -> dict:
                                  "vocab_size": 512, "max_sequence_length": 64}}}
 
 
-def _add_one_budget_method(results: dict, seeds: dict, name: str = "ode2") -> None:
+def _add_one_budget_method(results: dict, seeds: dict, name: str = "ode2", family: str = "ode") -> None:
     """Adds ``name`` to a made-up results.json, run at the full budget only (no equal-quality
     figure): ``seeds[seed] = (scratch's loss, its final loss)``, in the order of the point's seeds."""
     runs = [{"seed": seed, "target_loss": target, "final_valid_loss": {"1": final},
              "equal_quality": {"fraction": None, "saving": None, "bound": "one_budget", "gap": None}}
             for seed, (target, final) in seeds.items()]
     nothing = summarize([None] * len(seeds))
-    results["methods"][name] = {"family": "ode", "seeds": runs,
+    results["methods"][name] = {"family": family, "seeds": runs,
                                 "final_valid_loss": summarize([final for _, final in seeds.values()]),
                                 "eq_saving_flops": nothing, "eq_saving_seconds_normalized": nothing,
                                 "crossing_saving_flops": nothing}
@@ -535,6 +535,9 @@ def test_study_rows_and_their_table(tmp_path):
     # another, at or under it in every seed (level with it in seed 2)
     _add_one_budget_method(made["cpu-4x128-960"], {1: (4.0, 3.9), 2: (4.2, 4.2), 3: (4.1, 4.0)}, "ode2-b")
     _add_one_budget_method(made["cpu-4x128-240"], {1: (5.0, 5.3)})
+    # the coarse model alone: under scratch's loss in seeds 1 and 3 at 0.98 tokens per parameter
+    _add_one_budget_method(made["cpu-4x128-960"], {1: (4.0, 3.95), 2: (4.2, 4.25), 3: (4.1, 4.0)}, "coarse", "coarse")
+    _add_one_budget_method(made["cpu-4x128-240"], {1: (5.0, 5.1)}, "coarse", "coarse")
     for name, results in made.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps(results))
@@ -552,11 +555,11 @@ def test_study_rows_and_their_table(tmp_path):
     assert (eq["median"], eq["min"], eq["max"], eq["reached"], eq["n"], eq["at_least"]) == (
         pytest.approx(0.2), 0.10, 0.30, 2, 3, 1)
     text = table(rows)
-    assert ("| cpu-4x128-960 | 1.00M | 0.98M | 0.98 | 3 | 4.1000 (4.0000 to 4.2000) | fcycle2 | 4.0000 | "
+    assert ("| cpu-4x128-960 | 1.00M | 0.98M | 0.98 | 3 | scratch: 4.1000 (4.0000 to 4.2000) | fcycle2 | 4.0000 | "
             "20.0% (10.0 to 30.0), 2/3 (at least, in 1 of them: the smallest budget reached it) | "
             "18.0% (8.0 to 28.0), 2/3 (at least, in 1 of them: the smallest budget reached it) | "
             "20.0% (5.0 to 35.0), 2/3 |") in text
-    assert "| cpu-4x128-240 | 1.00M | 0.25M | 0.25 | 1 | 5.0000 (5.0000 to 5.0000) | fcycle2 | 4.9000 | " \
+    assert "| cpu-4x128-240 | 1.00M | 0.25M | 0.25 | 1 | scratch: 5.0000 (5.0000 to 5.0000) | fcycle2 | 4.9000 | " \
            "not reached, 0/1 | not reached, 0/1 | not reached, 0/1 |" in text
     # a method run at the full budget only: at or under scratch's loss there is a saving of 0 or more
     ode = "full budget only: scratch's loss reached in 2/3"
@@ -567,6 +570,10 @@ def test_study_rows_and_their_table(tmp_path):
     assert f"| ode2-b | 4.0000 | {everywhere} | {everywhere} | not reached, 0/3 |" in text
     assert [rows[1]["methods"][m]["equal_quality"]["zero_or_more"] for m in ("fcycle2", "ode2", "ode2-b")] == [
         False, False, True]
+    # where the smaller model alone reaches scratch's loss, the table says so; where it does not, not
+    assert "| coarse (the smaller model suffices: 2/3) | 4.0000 |" in text
+    assert "| cpu-4x128-240 | 1.00M | 0.25M | 0.25 | 1 | scratch: 5.0000 (5.0000 to 5.0000) | coarse | 5.1000 |" in text
+    assert rows[1]["methods"]["fcycle2"]["smaller_model_suffices"] is None
 
     from megatron_multilevel.study.plotting import plot_scale
 
@@ -613,7 +620,8 @@ def test_phase_leads_against_scratch_at_equal_flops(tmp_path):
     write("ode2", 1, 1.0, [{"level": 0, "steps": 40, "flops": 4e9, "valid_loss": 2.0}])  # one phase: nothing to say
     write("wcycle2", 1, 1.0, [{"level": 1, "steps": 30, "flops": 1.5e9, "valid_loss": 3.0}] * 2,
           version="v0")  # made by other code than the point's results.json: left out
-    leads = report.read_leads(str(tmp_path), [{"point": "cpu-4x128-960"}], {"cpu-4x128-960": {"version": "v1"}})
+    leads = report.read_leads(str(tmp_path), [{"point": "cpu-4x128-960"}],
+                              {"cpu-4x128-960": {"version": "v1", "baseline": "scratch"}})
     assert [(x["method"], x["seeds"]) for x in leads] == [("fcycle2", [1, 2]), ("stacking", [1, 2])]
     fcycle = leads[0]
     assert fcycle["phases"] == [{"level": 1, "steps": 30}, {"level": 0, "steps": 10}, {"level": 0, "steps": 10}]

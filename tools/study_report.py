@@ -1,14 +1,17 @@
-"""The scale study's report: every point's savings side by side, the regime of each point, and the
-saving against the budget per method.
+"""A study's report: every point's savings side by side, the regime of each point, and the saving
+against the budget per method.
 
-    python tools/study_report.py              # reads benchmarks/<point>/results.json, writes benchmarks/study.*
+    python tools/study_report.py                  # the scale study: benchmarks/cpu-*, writes benchmarks/study.*
+    python tools/study_report.py --study regime   # the regime study: benchmarks/long-*, writes benchmarks/regime.*
 
-A point is a directory ``cpu-<layers>x<hidden>-<steps>`` of ``benchmarks/`` (``run_study.sh
---list``) whose ``results.json`` was made by the study's pinned code (``benchmarks/STUDY_COMMIT``);
+A point of the scale study is a directory ``cpu-<layers>x<hidden>-<steps>`` of ``benchmarks/``
+(``run_study.sh --list``), one of the regime study ``long-<layers>x<hidden>-<steps>``; a point
+counts when its ``results.json`` was made by the study's pinned code (``benchmarks/STUDY_COMMIT``
+for the scale study, each point's own ``STUDY_COMMIT`` for the regime study, one commit for all);
 the others are named and left out, so that the table never mixes code versions. Writes
-``study.md`` (one row per point and method, then each multilevel method's lead over scratch at
-equal FLOPs at the end of each phase, from the point's full-budget run files), ``study.json`` and
-``saving_vs_budget.png``.
+``<study>.md`` (one row per point and method, then each multilevel method's lead over the point's
+baseline, the best-tuned training from scratch, at equal FLOPs at the end of each phase, from the
+point's full-budget run files), ``<study>.json`` and a plot of the saving against the budget.
 """
 
 import argparse
@@ -19,14 +22,38 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-POINT = re.compile(r"^cpu-(\d+)x(\d+)-(\d+)$")
+# study -> (its points' directories, what its files are called)
+STUDIES = {"scale": (re.compile(r"^cpu-(\d+)x(\d+)-(\d+)$"), "study"),
+           "regime": (re.compile(r"^long-(\d+)x(\d+)-(\d+)$"), "regime")}
 
 
-def read_points(benchmarks: str, commit: str) -> tuple[dict[str, dict], list[str]]:
+def study_commit(benchmarks: str, study: str) -> str:
+    """The commit whose code makes the runs of ``study``: the scale study's pin, or the one pin of all
+    the regime study's points."""
+    pattern, _ = STUDIES[study]
+    if study == "scale":
+        files = [os.path.join(benchmarks, "STUDY_COMMIT")]
+    else:
+        files = [os.path.join(benchmarks, name, "STUDY_COMMIT") for name in sorted(os.listdir(benchmarks))
+                 if pattern.match(name) and os.path.isfile(os.path.join(benchmarks, name, "STUDY_COMMIT"))]
+    if not files or not all(os.path.isfile(path) for path in files):
+        raise SystemExit(f"study_report: no STUDY_COMMIT for the {study} study in {benchmarks}: it names the "
+                         "commit the study's runs are made by")
+    pins = set()
+    for path in files:
+        with open(path) as f:
+            pins.add(f.read().strip())
+    if len(pins) > 1:
+        raise SystemExit(f"study_report: the {study} study's points are pinned to several commits {sorted(pins)}: "
+                         "one table, one code version")
+    return pins.pop()
+
+
+def read_points(benchmarks: str, commit: str, pattern=STUDIES["scale"][0]) -> tuple[dict[str, dict], list[str]]:
     """The points made by ``commit`` (each results.json with its ``steps``), and notes on the others."""
     points, notes = {}, []
     for name in sorted(os.listdir(benchmarks)):
-        match = POINT.match(name)
+        match = pattern.match(name)
         path = os.path.join(benchmarks, name, "results.json")
         if not match or not os.path.isfile(path):
             continue
@@ -61,16 +88,18 @@ def parameter_counts(points: dict[str, dict]) -> dict[str, int]:
 def table(rows: list[dict]) -> str:
     from megatron_multilevel.study.savings import format_saving
 
-    lines = ["| point | parameters | tokens | tokens per parameter | seeds | scratch: final loss | method | "
+    lines = ["| point | parameters | tokens | tokens per parameter | seeds | best scratch: final loss | method | "
              "final loss | equal quality: FLOPs saved | equal quality: wall-clock saved (normalised) | "
              "curve crossing: FLOPs saved |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["scratch_final_loss_range"]
         for method, m in sorted(r["methods"].items()):
+            reached, ran = m.get("smaller_model_suffices") or (0, 0)
+            name = method + (f" (the smaller model suffices: {reached}/{ran})" if reached else "")
             lines.append(f"| {r['point']} | {r['parameters'] / 1e6:.2f}M | {r['tokens'] / 1e6:.2f}M | "
-                         f"{r['tokens_per_parameter']:.2f} | {r['seeds']} | {r['scratch_final_loss']:.4f} "
-                         f"({lo:.4f} to {hi:.4f}) | {method} | {m['final_valid_loss']:.4f} | "
+                         f"{r['tokens_per_parameter']:.2f} | {r['seeds']} | {r['baseline']}: {r['scratch_final_loss']:.4f} "
+                         f"({lo:.4f} to {hi:.4f}) | {name} | {m['final_valid_loss']:.4f} | "
                          f"{format_saving(m['equal_quality'])} | {format_saving(m['equal_quality_seconds'])} | "
                          f"{format_saving(m['crossing'])} |")
     return "\n".join(lines) + "\n"
@@ -91,18 +120,35 @@ def read_leads(benchmarks: str, rows: list[dict], points: dict[str, dict]) -> li
     for r in rows:
         kept, _ = kept_runs(os.path.join(benchmarks, r["point"], "runs"), points[r["point"]]["version"])
         runs = {(run["method"], run["seed"]): run for run in kept if float(run["fraction"]) == 1.0}
-        for method in sorted({m for m, _ in runs} - {"scratch"}):
-            seeds = sorted(s for m, s in runs if m == method and ("scratch", s) in runs)
+        baseline = points[r["point"]]["baseline"]
+        for method in sorted({m for m, _ in runs} - {baseline}):
+            seeds = sorted(s for m, s in runs if m == method and (baseline, s) in runs)
             if not seeds or len(runs[method, seeds[0]]["phases"]) < 2:
                 continue
             phases = runs[method, seeds[0]]["phases"]
-            leads = {s: phase_leads(runs["scratch", s]["valid"], runs[method, s]["phases"]) for s in seeds}
+            leads = {s: phase_leads(runs[baseline, s]["valid"], runs[method, s]["phases"]) for s in seeds}
             out.append({"point": r["point"], "method": method, "seeds": seeds,
                         "phases": [{"level": p["level"], "steps": p["steps"]} for p in phases],
                         "lead": [None if leads[seeds[0]][i] is None else statistics.median(leads[s][i] for s in seeds)
                                  for i in range(len(phases))],
                         "lead_by_seed": {str(s): leads[s] for s in seeds}})
     return out
+
+
+def add_schedules(benchmarks: str, rows: list[dict], points: dict[str, dict]) -> None:
+    """Each multilevel method of each row gets its ``schedule`` (coarse share, second visit, E_a:
+    :func:`megatron_multilevel.study.planner.schedule_of`), read from a full-budget run file of the
+    point's code version: what the planner recommends."""
+    from megatron_multilevel.study.planner import schedule_of
+    from megatron_multilevel.study.runs import kept_runs
+
+    for r in rows:
+        kept, _ = kept_runs(os.path.join(benchmarks, r["point"], "runs"), points[r["point"]]["version"])
+        configs = {run["method"]: run["config"] for run in kept if float(run["fraction"]) == 1.0}
+        for method, m in r["methods"].items():
+            block = configs.get(method, {}).get("multilevel", {})
+            if block.get("enabled") and block.get("num_levels", 2) == 2 and "ode" not in block:
+                m["schedule"] = schedule_of(block, r["steps"])
 
 
 def leads_table(leads: list[dict]) -> str:
@@ -118,37 +164,47 @@ def leads_table(leads: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--benchmarks", default=os.path.join(ROOT, "benchmarks"))
-    p.add_argument("--out", default=None, help="where study.md, study.json and the plot go (default: --benchmarks)")
+    p.add_argument("--study", choices=sorted(STUDIES), default="scale",
+                   help="scale: the cpu-* points (study.*); regime: the long-* points (regime.*)")
+    p.add_argument("--out", default=None, help="where the table, the JSON and the plot go (default: --benchmarks)")
     args = p.parse_args(argv)
     out = args.out or args.benchmarks
-    commit_file = os.path.join(args.benchmarks, "STUDY_COMMIT")
-    if not os.path.isfile(commit_file):
-        raise SystemExit(f"study_report: {commit_file} is missing: it names the commit the study's runs are made by")
-    with open(commit_file) as f:
-        commit = f.read().strip()
-    points, notes = read_points(args.benchmarks, commit)
+    pattern, stem = STUDIES[args.study]
+    commit = study_commit(args.benchmarks, args.study)
+    points, notes = read_points(args.benchmarks, commit, pattern)
     for note in notes:
         print(note)
     if not points:
         raise SystemExit(f"study_report: no point of {args.benchmarks} was made by {commit[:12]}")
 
-    from megatron_multilevel.study.plotting import plot_scale
+    from megatron_multilevel.study.plotting import plot_regime, plot_scale
     from megatron_multilevel.study.savings import study_rows
 
     rows = study_rows(points, parameter_counts(points))
     os.makedirs(out, exist_ok=True)
     leads = read_leads(args.benchmarks, rows, points)
+    add_schedules(args.benchmarks, rows, points)
     text = table(rows) + (
         "\nWhere the lead is made: each multilevel method's full-budget run against training from scratch"
         " with the same seed, at equal FLOPs, at the end of each of its phases (level 0 is the full"
         " model; positive: ahead).\n\n" + leads_table(leads))
-    with open(os.path.join(out, "study.md"), "w") as f:
-        f.write(f"Made by `python tools/study_report.py` from the runs of commit {commit}.\n\n" + text)
-    with open(os.path.join(out, "study.json"), "w") as f:
+    command = "python tools/study_report.py" + ("" if args.study == "scale" else f" --study {args.study}")
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(f"Made by `{command}` from the runs of commit {commit}.\n\n" + text)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
         json.dump({"commit": commit, "points": rows, "leads": leads}, f, indent=1)
         f.write("\n")
-    plot = plot_scale(rows, out)
-    print(text + f"\nwritten: {os.path.join(out, 'study.md')}, study.json, {plot}")
+    if args.study == "scale":
+        plot = plot_scale(rows, out)
+    else:  # the regime's points beside the scale study's, each study with its own commit
+        studies = {f"regime study ({commit[:7]})": rows}
+        scale = os.path.join(args.benchmarks, "study.json")
+        if os.path.isfile(scale):
+            with open(scale) as f:
+                kept = json.load(f)
+            studies[f"scale study ({kept['commit'][:7]})"] = kept["points"]
+        plot = plot_regime(studies, out)
+    print(text + f"\nwritten: {os.path.join(out, stem + '.md')}, {stem}.json, {plot}")
     return 0
 
 

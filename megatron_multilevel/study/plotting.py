@@ -169,3 +169,63 @@ def plot_scale(rows: list[dict], out_dir: str) -> str:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def plot_regime(studies: dict[str, list[dict]], out_dir: str) -> str:
+    """The best multilevel schedule's FLOPs saved at equal quality against tokens per parameter of
+    the full model, one line per model shape and study (``studies[label]``: the rows of
+    :func:`megatron_multilevel.study.savings.study_rows`), with the controls marked: at every point
+    where the coarse model alone was run, a star at 0 when it reaches the best scratch's final loss
+    (the smaller model suffices there), a hollow circle when it does not. A point whose best
+    schedule has no equal-quality figure (run at the full budget only, or never reaching scratch's
+    loss) is drawn at 0 with a cross."""
+    plt = _pyplot()
+    os.makedirs(out_dir, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    line = 0
+    for label, rows in studies.items():
+        for shape in sorted({r["shape"] for r in rows}, key=lambda s: next(r["parameters"] for r in rows
+                                                                           if r["shape"] == s)):
+            mine = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["tokens_per_parameter"])
+            color = f"C{line % 10}"
+            line += 1
+            xs, ys = [], []
+            for r in mine:
+                best = best_multilevel(r)
+                x = r["tokens_per_parameter"]
+                if best is None:
+                    ax.plot([x], [0.0], "x", color=color, ms=8)
+                else:
+                    xs.append(x)
+                    ys.append(100 * r["methods"][best]["equal_quality"]["median"])
+                control = [m["smaller_model_suffices"] for m in r["methods"].values()
+                           if m.get("smaller_model_suffices")]
+                if control:
+                    suffices = any(reached for reached, _ in control)
+                    ax.plot([x], [0.0], "*" if suffices else "o", ms=11 if suffices else 8, color=color,
+                            mfc=color if suffices else "none")
+            ax.plot(xs, ys, "o-", color=color, lw=1.5, ms=5,
+                    label=f"GPT {shape} ({mine[0]['parameters'] / 1e6:.2f}M parameters), {label}")
+    ax.set_xscale("log")
+    ax.axhline(0.0, color="black", lw=0.8)
+    ax.axvline(20.0, color="gray", lw=0.8, ls=":")  # compute-optimal (Chinchilla)
+    for symbol, text, filled in (("*", "the coarse model alone reaches scratch's loss (the smaller model suffices)",
+                                  True),
+                                 ("o", "the coarse model alone does not", False),
+                                 ("x", "no equal-quality saving measured or reached", True)):
+        ax.plot([], [], ls="", marker=symbol, color="gray", ms=8, mfc="gray" if filled else "none", label=text)
+    ax.set_title("Best multilevel schedule against the best-tuned scratch (median over seeds)")
+    path = os.path.join(out_dir, "saving_vs_tokens_per_parameter.png")
+    return _finish(plt, fig, ax, "tokens per parameter of the full model (embedding counted)",
+                   "FLOPs saved at equal quality (%)", path)
+
+
+MULTILEVEL_FAMILIES = ("vcycle", "wcycle", "fcycle", "ode")
+
+
+def best_multilevel(row: dict) -> "str | None":
+    """The multilevel method (a cycle of this project, not stacking or a control) of a study row
+    with the highest median equal-quality FLOPs saving, or None where none has one."""
+    measured = [(m["equal_quality"]["median"], name) for name, m in row["methods"].items()
+                if m["family"] in MULTILEVEL_FAMILIES and m["equal_quality"]["median"] is not None]
+    return max(measured)[1] if measured else None

@@ -112,13 +112,21 @@ def study_rows(points: dict[str, dict], parameters: dict[str, int]) -> list[dict
                       # every seed ran at the full budget only and reached scratch's loss there: a
                       # saving of 0 or more, not a miss
                       "zero_or_more": len(one_budget) == full_reached == len(m["seeds"]) > 0}
+            # the coarse model alone reaching scratch's final loss at the full budget: the smaller
+            # model suffices at this budget (seeds where it did, of those it ran)
+            suffices = None
+            if m["family"] == "coarse":
+                ran = [s for s in m["seeds"] if s["final_valid_loss"].get("1") is not None]
+                suffices = [sum(_full_budget_loss(s) <= s["target_loss"] for s in ran), len(ran)]
             methods[method] = {"family": m["family"], "final_valid_loss": m["final_valid_loss"]["median"],
+                               "smaller_model_suffices": suffices,
                                "equal_quality": {**m["eq_saving_flops"], **bounds},
                                "crossing": m["crossing_saving_flops"],
                                "equal_quality_seconds": {**m["eq_saving_seconds_normalized"], **bounds}}
         rows.append({"point": name, "shape": shape, "steps": steps, "tokens": tokens,
                      "parameters": parameters[shape], "tokens_per_parameter": tokens / parameters[shape],
-                     "seeds": len(results["seeds"]), "scratch_final_loss": scratch["final_valid_loss"]["median"],
+                     "seeds": len(results["seeds"]), "baseline": results["baseline"],
+                     "scratch_final_loss": scratch["final_valid_loss"]["median"],
                      "scratch_final_loss_range": [scratch["final_valid_loss"]["min"], scratch["final_valid_loss"]["max"]],
                      "methods": methods})
     return sorted(rows, key=lambda r: (r["parameters"], r["tokens"]))

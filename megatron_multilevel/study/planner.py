@@ -1,0 +1,142 @@
+"""The schedule planner: from the committed study points, the multilevel schedule to use at a model
+size and token budget, the saving to expect, and when to train something else instead.
+
+The law is a least-squares fit of the best multilevel schedule's equal-quality FLOPs saving (the
+median over seeds, against the point's best-tuned training from scratch) to
+
+    saving = a + b * ln(tokens per parameter) [+ c * ln(parameters)]
+
+(the size term only where the points hold three sizes or more), with the embedding counted in the
+parameters, as Chinchilla does. Its uncertainty is the usual prediction interval of a linear fit
+(residual standard error, widened by the point's leverage); its quality is stated by the residual
+error and the leave-one-out errors (:func:`leave_one_out`). Two controls decide before the law
+does: where the coarse model alone reached the best scratch's final loss at a measured point at
+or beyond the budget asked about, the smaller model is the advice; where the interval lies under
+zero, training the full model from scratch is.
+"""
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+import numpy
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyPoint:
+    """One study point, as the planner reads it."""
+
+    point: str
+    study: str
+    shape: str
+    parameters: int
+    tokens_per_parameter: float
+    method: Optional[str]  # the best multilevel schedule (None: none has an equal-quality saving)
+    saving: Optional[float]  # its median equal-quality FLOPs saving
+    schedule: Optional[dict]  # its shape (schedule_of)
+    smaller_model_suffices: Optional[bool]  # the coarse model alone reached scratch's loss (None: not run)
+
+
+def schedule_of(multilevel: dict, steps: int) -> dict:
+    """The shape of a two-level schedule (a ``multilevel`` block of a run made for a ``steps``-step
+    scratch budget): the cycle, the coarse share (first coarse visit over scratch's steps), the
+    second visit's length over the first's, E_a (fine steps before coalescing over scratch's steps)."""
+    levels = multilevel["levels"]
+    coarse = levels[1]  # a cycle's coarse visits, or growth's steps before growing
+    visits = coarse.get("visits") or [{"steps": coarse["steps"] if "steps" in coarse else coarse["steps_before"]}]
+    return {"cycle": multilevel.get("cycle", "v"), "num_levels": multilevel.get("num_levels", len(levels)),
+            "coarse_share": visits[0]["steps"] / steps,
+            "revisit": visits[1]["steps"] / visits[0]["steps"] if len(visits) > 1 else None,
+            "ea": levels[0].get("steps_before", 0) / steps}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    coefficients: tuple  # a, b[, c]
+    covariance: tuple  # (X^T X)^-1, as nested tuples
+    residual_std: float
+    points: int
+    log_tpp_range: tuple  # the ln(tokens per parameter) the fit saw, lowest and highest
+    with_size: bool
+
+    def predict(self, parameters: float, tokens_per_parameter: float) -> tuple[float, float]:
+        """The expected saving and the half-width of its prediction interval (one standard error
+        of a new point: residual error widened by the leverage)."""
+        x = numpy.array(_features(parameters, tokens_per_parameter, self.with_size))
+        cov = numpy.array(self.covariance)
+        mean = float(x @ numpy.array(self.coefficients))
+        return mean, self.residual_std * math.sqrt(1.0 + float(x @ cov @ x))
+
+    def extrapolates(self, tokens_per_parameter: float) -> bool:
+        lo, hi = self.log_tpp_range
+        return not lo <= math.log(tokens_per_parameter) <= hi
+
+
+def _features(parameters: float, tokens_per_parameter: float, with_size: bool) -> list:
+    x = [1.0, math.log(tokens_per_parameter)]
+    return x + [math.log(parameters)] if with_size else x
+
+
+def fit(points: Sequence[StudyPoint]) -> Fit:
+    """The law, fitted to the points with a measured saving."""
+    measured = [p for p in points if p.saving is not None]
+    with_size = len({p.parameters for p in measured}) >= 3
+    k = 3 if with_size else 2
+    if len(measured) <= k:
+        raise ValueError(f"the planner needs more than {k} study points with a measured saving, got {len(measured)}")
+    x = numpy.array([_features(p.parameters, p.tokens_per_parameter, with_size) for p in measured])
+    y = numpy.array([p.saving for p in measured])
+    coefficients, *_ = numpy.linalg.lstsq(x, y, rcond=None)
+    residual = y - x @ coefficients
+    std = math.sqrt(float(residual @ residual) / (len(measured) - k))
+    cov = numpy.linalg.inv(x.T @ x)
+    logs = [math.log(p.tokens_per_parameter) for p in measured]
+    return Fit(tuple(float(c) for c in coefficients), tuple(tuple(float(v) for v in row) for row in cov), std,
+               len(measured), (min(logs), max(logs)), with_size)
+
+
+def leave_one_out(points: Sequence[StudyPoint]) -> list[dict]:
+    """Each measured point predicted by the law fitted to all the others."""
+    out = []
+    for held in points:
+        if held.saving is None:
+            continue
+        others = fit([p for p in points if p is not held])
+        mean, half = others.predict(held.parameters, held.tokens_per_parameter)
+        out.append({"point": held.point, "measured": held.saving, "predicted": mean, "interval": half,
+                    "error": mean - held.saving})
+    return out
+
+
+def _distance(p: StudyPoint, parameters: float, tokens_per_parameter: float) -> float:
+    return math.hypot(math.log(p.tokens_per_parameter / tokens_per_parameter), math.log(p.parameters / parameters))
+
+
+def plan(points: Sequence[StudyPoint], parameters: float, tokens: float) -> dict:
+    """The advice for a model of ``parameters`` trained on ``tokens``: ``advice`` (``"multilevel"``,
+    ``"smaller model"``, ``"scratch"``), the expected saving and its interval, the schedule of the
+    nearest measured point, the control that decided, and the fit's range."""
+    if parameters <= 0 or tokens <= 0:
+        raise ValueError(f"parameters and tokens must be positive, got {parameters} and {tokens}")
+    tpp = tokens / parameters
+    law = fit(points)
+    mean, half = law.predict(parameters, tpp)
+    scheduled = [p for p in points if p.schedule is not None and p.saving is not None]
+    nearest = min(scheduled, key=lambda p: _distance(p, parameters, tpp))
+    # the control: the coarse model alone reaching scratch's loss at a measured point with at least
+    # this many tokens per parameter (it suffices at fewer tokens too: the full model needs more)
+    suffices = [p for p in points if p.smaller_model_suffices and p.tokens_per_parameter >= tpp]
+    out = {"parameters": parameters, "tokens": tokens, "tokens_per_parameter": tpp, "saving": mean,
+           "interval": half, "extrapolated": law.extrapolates(tpp), "fit_points": law.points,
+           "tokens_per_parameter_range": [math.exp(v) for v in law.log_tpp_range],
+           "schedule": nearest.schedule, "from_point": nearest.point,
+           "control": suffices[0].point if suffices else None}
+    if suffices:
+        advice = "smaller model"
+    elif mean - half > 0:
+        advice = "multilevel"
+    elif mean + half < 0 or mean <= 0:
+        advice = "scratch"
+    else:
+        advice = "multilevel (uncertain)"
+    return {**out, "advice": advice}

@@ -1,0 +1,136 @@
+"""The schedule planner: its law against closed forms, its advice, and the tool around it."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megatron_multilevel.config import load_config
+from megatron_multilevel.study.planner import StudyPoint, fit, leave_one_out, plan, schedule_of
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULE = {"cycle": "f", "num_levels": 2, "coarse_share": 0.8, "revisit": 0.5, "ea": 0.1}
+
+
+def point(name, parameters, tpp, saving, *, suffices=None, schedule=SCHEDULE):
+    return StudyPoint(point=name, study="made-up", shape="4x64", parameters=parameters, tokens_per_parameter=tpp,
+                      method=None if saving is None else "fcycle2", saving=saving,
+                      schedule=None if saving is None else schedule, smaller_model_suffices=suffices)
+
+
+def test_the_law_recovers_an_exact_one():
+    """Points lying on saving = 0.3 - 0.04 ln(tpp) + 0.02 ln(N) give back its coefficients, no
+    residual, and leave-one-out predictions equal to the measurements."""
+    points = [point(f"p{i}", n, t, 0.3 - 0.04 * math.log(t) + 0.02 * math.log(n))
+              for i, (n, t) in enumerate([(1e5, 0.1), (1e5, 10), (1e6, 1), (1e6, 30), (1e7, 0.05), (1e7, 3)])]
+    law = fit(points)
+    assert law.with_size and law.coefficients == pytest.approx((0.3, -0.04, 0.02))
+    assert law.residual_std == pytest.approx(0.0, abs=1e-9)
+    for row in leave_one_out(points):
+        assert row["error"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_prediction_interval_is_simple_regressions():
+    """With two sizes (no size term), the interval is simple linear regression's for a new point:
+    s * sqrt(1 + 1/n + (x0 - mean x)^2 / Sxx), worked out here from the closed forms."""
+    data = [(0.1, 0.40), (0.5, 0.33), (1.0, 0.31), (4.0, 0.22), (20.0, 0.12)]
+    points = [point(f"p{i}", 1e6 if i % 2 else 2e6, t, s) for i, (t, s) in enumerate(data)]
+    xs, ys = [math.log(t) for t, _ in data], [s for _, s in data]
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    intercept = my - slope * mx
+    resid = math.sqrt(sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys)) / (n - 2))
+    law = fit(points)
+    assert not law.with_size and law.coefficients == pytest.approx((intercept, slope))
+    x0 = math.log(50.0)
+    mean, half = law.predict(1e6, 50.0)
+    assert mean == pytest.approx(intercept + slope * x0)
+    assert half == pytest.approx(resid * math.sqrt(1 + 1 / n + (x0 - mx) ** 2 / sxx))
+    assert law.extrapolates(50.0) and not law.extrapolates(2.0)
+
+
+def test_the_advice():
+    """The smaller model where the control found it sufficient at as many tokens per parameter or
+    more; scratch where the law's interval lies under zero; else the nearest point's schedule."""
+    other = {**SCHEDULE, "coarse_share": 0.5}
+    points = [point("a", 1e6, 0.1, 0.40), point("b", 1e6, 1.0, 0.30), point("c", 1e6, 10.0, 0.20, schedule=other),
+              point("d", 1e6, 100.0, 0.10, schedule=other), point("e", 1e6, 1000.0, 0.0)]
+    result = plan(points, 1e6, 5e6)  # 5 tokens per parameter: nearest is c
+    assert result["advice"] == "multilevel" and result["from_point"] == "c" and result["schedule"] == other
+    assert result["saving"] == pytest.approx(0.3 - 0.1 * math.log10(5), abs=1e-9)  # the points' own line
+    assert plan(points, 1e6, 1e11)["advice"] == "scratch"  # 1e5 tokens per parameter: about -0.1
+    controlled = points + [point("ctl", 1e6, 2.0, None, suffices=True)]
+    assert plan(controlled, 1e6, 1e6)["advice"] == "smaller model"  # 1 token per parameter, under 2
+    assert plan(controlled, 1e6, 5e6)["advice"] == "multilevel"  # beyond where the control was run
+    with pytest.raises(ValueError, match="positive"):
+        plan(points, 0, 1e6)
+
+
+def test_schedule_of_a_recipe_config():
+    """The shape read back from the benchmark's own F-cycle config is the one it was made with."""
+    from megatron_multilevel.study.variants import RECIPE, variant_configs
+
+    base = json.loads((ROOT / "configs" / "gpt_tiny_cpu.json").read_text())
+    base.pop("multilevel")
+    made = variant_configs(base, steps=1000, fine_lr=1e-3, warmup=40, methods=["fcycle2"],
+                           **{**RECIPE, "coarse_share": 0.65, "fcycle_revisit": 0.25})["fcycle2"]
+    got = schedule_of(made["multilevel"], 1000)
+    assert got == {"cycle": "f", "num_levels": 2, "coarse_share": pytest.approx(0.65), "revisit": pytest.approx(0.25, abs=0.01),
+                   "ea": pytest.approx(0.1)}
+
+
+def _study(tmp_path, rows):
+    (tmp_path / "regime.json").write_text(json.dumps({"commit": "a" * 40, "points": rows, "leads": []}))
+
+
+def _row(name, parameters, tpp, saving, schedule=SCHEDULE):
+    eq = {"median": saving, "min": saving, "max": saving}
+    return {"point": name, "shape": "4x64", "parameters": parameters, "tokens_per_parameter": tpp,
+            "methods": {"fcycle2": {"family": "fcycle", "equal_quality": eq, "schedule": schedule,
+                                    "smaller_model_suffices": None},
+                        "stacking": {"family": "stacking", "equal_quality": {"median": 0.9}},
+                        "coarse": {"family": "coarse", "equal_quality": {"median": None},
+                                   "smaller_model_suffices": [0, 2]}}}
+
+
+def test_the_tool_plans_a_config_and_writes_its_schedule(tmp_path, capsys):
+    """--config reads the model's parameters and the run's tokens; --write gives the config the
+    recipe at the planned share, for its own steps; stacking's saving is not the schedule's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_schedule", ROOT / "tools" / "plan_schedule.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    share = {**SCHEDULE, "coarse_share": 0.65}
+    _study(tmp_path, [_row("p1", 1e5, 0.1, 0.4), _row("p2", 1e5, 1.0, 0.3, share), _row("p3", 1e5, 10.0, 0.2),
+                      _row("p4", 1e5, 100.0, 0.1)])
+    out = tmp_path / "planned.json"
+    config = ROOT / "configs" / "gpt_tiny_cpu.json"
+    assert tool.main(["--config", str(config), "--benchmarks", str(tmp_path), "--write", str(out)]) == 0
+    text = capsys.readouterr().out
+    raw = json.loads(config.read_text())
+    cfg = load_config(raw)
+    from megatron_multilevel.flops import parameter_count
+
+    tokens = cfg.training.train_steps * raw["train_micro_batch_size_per_gpu"] * cfg.data.seq_length  # one process
+    assert f"{tokens / parameter_count(cfg.model):.1f} tokens per parameter" in text
+    planned = load_config(json.loads(out.read_text()))
+    steps = cfg.training.train_steps
+    assert planned.multilevel.levels[1].visits[0].steps == round(0.65 * steps)  # the nearest point's share
+    assert planned.training == cfg.training and planned.model == cfg.model
+    with pytest.raises(SystemExit):  # --hold-out of a point that is not there
+        tool.main(["--params", "1e5", "--tokens", "1e6", "--benchmarks", str(tmp_path), "--hold-out", "nope"])
+
+
+def test_best_multilevel_and_the_regime_plot(tmp_path):
+    from megatron_multilevel.study.plotting import best_multilevel, plot_regime
+
+    row = _row("p1", 1e5, 20.0, 0.25)
+    row["methods"]["fcycle2-coarse0.5"] = {"family": "fcycle", "equal_quality": {"median": 0.3}}
+    row["methods"]["ode2"] = {"family": "ode", "equal_quality": {"median": None}}
+    assert best_multilevel(row) == "fcycle2-coarse0.5"  # not stacking's 0.9, not the control
+    assert best_multilevel({"methods": {"stacking": row["methods"]["stacking"]}}) is None
+    path = plot_regime({"made-up": [row, {**_row("p2", 1e5, 40.0, None), "shape": "4x64"}]}, str(tmp_path))
+    assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,170 @@
+"""Which schedule to train a GPT with, at its size and token budget, from the committed study points.
+
+    python tools/plan_schedule.py --params 124e6 --tokens 2.6e9        # a size and a budget
+    python tools/plan_schedule.py --config configs/gpt_base.json        # a config's model and budget
+    python tools/plan_schedule.py --config configs/gpt_base.json --write /tmp/planned.json  # ... and its schedule
+    python tools/plan_schedule.py --validate                           # each point predicted by the others
+    python tools/plan_schedule.py --hold-out long-8x64-8500 --params 436864 --tokens 8.7e6  # predict before running
+
+Reads the scale study (``benchmarks/study.json``) and the regime study (``benchmarks/regime.json``),
+both made by ``tools/study_report.py``. The law and the advice are
+``megatron_multilevel.study.planner``'s (docs/benchmarks.md, "The planner"): the smaller model alone
+where the study's control found it sufficient at the budget, training from scratch where the
+saving's interval lies under zero, else the multilevel schedule of the nearest measured point,
+with the saving the law expects and its uncertainty. Parameters count the embedding.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+STUDIES = {"scale": "study.json", "regime": "regime.json"}
+
+
+def read_points(benchmarks: str) -> list:
+    """Every point of the committed studies, as the planner reads it."""
+    from megatron_multilevel.study.planner import StudyPoint
+    from megatron_multilevel.study.plotting import best_multilevel
+
+    points = []
+    for study, name in STUDIES.items():
+        path = os.path.join(benchmarks, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            rows = json.load(f)["points"]
+        for r in rows:
+            best = best_multilevel(r)
+            controls = [m["smaller_model_suffices"] for m in r["methods"].values() if m.get("smaller_model_suffices")]
+            points.append(StudyPoint(
+                point=r["point"], study=study, shape=r["shape"], parameters=r["parameters"],
+                tokens_per_parameter=r["tokens_per_parameter"], method=best,
+                saving=None if best is None else r["methods"][best]["equal_quality"]["median"],
+                schedule=None if best is None else r["methods"][best].get("schedule"),
+                smaller_model_suffices=any(reached for reached, _ in controls) if controls else None))
+    if not points:
+        raise SystemExit(f"plan_schedule: no study in {benchmarks} ({', '.join(STUDIES.values())}): "
+                         "run tools/study_report.py first")
+    return points
+
+
+def config_budget(path: str, data_parallel: int = 1) -> tuple[int, int, object]:
+    """A config's parameters (embedding counted), tokens of its run (its global batch: train_batch_size,
+    else micro batch x accumulation x ``data_parallel``), and the raw config."""
+    from megatron_multilevel.config import load_config
+    from megatron_multilevel.flops import parameter_count
+
+    with open(path) as f:
+        raw = json.load(f)
+    cfg = load_config(raw)
+    if cfg.model.kind != "gpt":
+        raise SystemExit(f"plan_schedule: {path} is a {cfg.model.kind} model; the studies measured GPT only")
+    ds = cfg.deepspeed
+    batch = ds.get("train_batch_size") or (ds.get("train_micro_batch_size_per_gpu", 1)
+                                            * ds.get("gradient_accumulation_steps", 1) * data_parallel)
+    tokens = cfg.training.train_steps * batch * cfg.data.seq_length
+    return parameter_count(cfg.model), tokens, raw
+
+
+def planned_config(raw: dict, schedule: dict) -> dict:
+    """``raw`` with the recipe's multilevel block at the planned coarse share and second visit,
+    for the config's own steps, learning rate and warm-up."""
+    from megatron_multilevel.study.variants import RECIPE, variant_configs
+
+    from megatron_multilevel.config import load_config
+
+    base = {k: v for k, v in raw.items() if k != "multilevel"}
+    training = load_config(base).training
+    settings = {**RECIPE, "coarse_share": round(schedule["coarse_share"], 3)}
+    if schedule.get("revisit") is not None:
+        settings["fcycle_revisit"] = round(schedule["revisit"], 3)
+    made = variant_configs(base, steps=training.train_steps, fine_lr=training.lr.peak,
+                           warmup=training.lr.warmup_steps, methods=["fcycle2"], **settings)["fcycle2"]
+    return {**raw, "multilevel": made["multilevel"]}
+
+
+def describe(result: dict) -> str:
+    s = result["schedule"]
+    lo, hi = result["tokens_per_parameter_range"]
+    lines = [f"model: {result['parameters'] / 1e6:.2f}M parameters (embedding counted), "
+             f"{result['tokens'] / 1e6:.1f}M tokens: {result['tokens_per_parameter']:.1f} tokens per parameter",
+             f"expected FLOPs saving of the best multilevel schedule at equal quality: "
+             f"{100 * result['saving']:.1f}% +- {100 * result['interval']:.1f} "
+             f"(law fitted to {result['fit_points']} study points, {lo:.2f} to {hi:.1f} tokens per parameter)"]
+    if result["extrapolated"]:
+        lines.append("  beyond the measured tokens per parameter: an extrapolation, not a measurement")
+    advice = result["advice"]
+    if advice == "smaller model":
+        lines.append(f"advice: train the smaller (half-depth) model alone: at {result['control']}, with as many "
+                     "or more tokens per parameter, it reached the best-tuned full model's final loss on the "
+                     "same FLOPs; a multilevel saving there shows only that the full model was not needed yet")
+    elif advice == "scratch":
+        lines.append("advice: train the full model from scratch: the multilevel schedules are not expected "
+                     "to reach its loss with fewer FLOPs at this budget")
+    else:
+        lines.append(f"advice: {advice}: F-cycle, {s['num_levels']} levels, depth only, coarse share "
+                     f"{s['coarse_share']:.2f} of the steps, E_a {s['ea']:.2f}"
+                     + ("" if s.get("revisit") is None else f", second coarse visit {s['revisit']:.2f} of the first")
+                     + f" (the best schedule of the nearest measured point, {result['from_point']})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params", type=float, help="parameters of the full model, embedding counted")
+    p.add_argument("--tokens", type=float, help="training tokens of the run")
+    p.add_argument("--config", help="a GPT config: its model and budget (train_steps x batch x sequence)")
+    p.add_argument("--write", help="with --config: write the config with the planned multilevel block here")
+    p.add_argument("--data-parallel", "--data_parallel", type=int, default=1,
+                   help="with --config and no train_batch_size: the data-parallel size of the global batch")
+    p.add_argument("--validate", action="store_true", help="predict each measured point from the others")
+    p.add_argument("--hold-out", "--hold_out", default=None, help="fit without this study point")
+    p.add_argument("--benchmarks", default=os.path.join(ROOT, "benchmarks"))
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = p.parse_args(argv)
+    if not args.validate and not args.config and (args.params is None or args.tokens is None):
+        p.error("give --params and --tokens, or --config, or --validate")
+    if args.write and not args.config:
+        p.error("--write goes with --config")
+    from megatron_multilevel.study.planner import leave_one_out, plan
+
+    points = read_points(args.benchmarks)
+    if args.hold_out:
+        if args.hold_out not in {pt.point for pt in points}:
+            p.error(f"--hold-out {args.hold_out}: no such study point (points: {', '.join(pt.point for pt in points)})")
+        points = [pt for pt in points if pt.point != args.hold_out]
+    if args.validate:
+        rows = leave_one_out(points)
+        print("| held-out point | measured | predicted by the others | error |\n|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['point']} | {100 * r['measured']:.1f}% | {100 * r['predicted']:.1f}% +- "
+                  f"{100 * r['interval']:.1f} | {100 * r['error']:+.1f} |")
+        print(f"\nroot mean square leave-one-out error: "
+              f"{100 * (sum(r['error'] ** 2 for r in rows) / len(rows)) ** 0.5:.1f} points of saving")
+        return 0
+    raw = None
+    if args.config:
+        params, tokens, raw = config_budget(args.config, args.data_parallel)
+    else:
+        params, tokens = args.params, args.tokens
+    try:
+        result = plan(points, params, tokens)
+    except ValueError as e:
+        p.error(str(e))
+    print(json.dumps(result, indent=1) if args.json else describe(result))
+    if args.write:
+        if not result["advice"].startswith("multilevel"):
+            print(f"not written: the advice is {result['advice']!r}, not a multilevel schedule")
+            return 0
+        with open(args.write, "w") as f:
+            json.dump(planned_config(raw, result["schedule"]), f, indent=2)
+            f.write("\n")
+        print(f"written: {args.write}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
