@@ -118,16 +118,20 @@ POINTS[ablation-8x256-480-b582310]="${POINTS[ablation-8x256-480]}"
 # (the embedding counted, as Chinchilla does), on models small enough for that on 2 CPU cores. Its
 # own pins: benchmarks/<point>/STUDY_COMMIT. The two controls first, since they decide whether a
 # point can show anything: training from scratch tuned (peak learning rate at 0.5x, 1x and 2x the
-# size's) and the coarse model alone (at the cycles' coarse rate and at twice it); then the
-# schedules, swept with one seed at the full budget (a line marked "once:" runs with the first seed
-# only): the coarse share, the second coarse visit's length, stacking with the same levers and as
-# published. The schedules that matter then get the second seed and the budget fractions.
+# size's, 4e-3: the best of 1e-3, 2e-3 and 4e-3 in a first pass on 4 x 64) and the coarse model
+# alone (at the cycles' coarse rate and at half and twice it); then the schedules, swept with one
+# seed at the full budget (a line marked "once:" runs with the first seed only): the coarse share,
+# the second coarse visit's length, the recipe at the other rates, stacking with the same levers
+# and as published. The schedules that matter then get the second seed and the budget fractions.
 LONG=(
-  "once: --recipe --methods coarse --scratch-lr 0.001 0.002 0.004 --fractions 1.0"  # the controls
+  "once: --recipe --methods coarse --scratch-lr 0.002 0.004 0.008 --fractions 1.0"  # the controls
   "once: --recipe --methods coarse --coarse-lr-factor 2 --tag=-lr2 --fractions 1.0"
+  "once: --recipe --methods coarse --coarse-lr-factor 0.5 --tag=-lr0.5 --fractions 1.0"
   "once: --recipe --coarse-share 0.8 0.5 0.65 --fractions 1.0"                     # the coarse share
   "once: --recipe --fcycle-revisit 0.25 --tag=-revisit0.25 --fractions 1.0"         # the second visit
   "once: --recipe --fcycle-revisit 0.75 --tag=-revisit0.75 --fractions 1.0"
+  "once: --recipe --fine-lr 0.002 --tag=-lr0.002 --fractions 1.0"                  # the recipe's rate
+  "once: --recipe --fine-lr 0.008 --tag=-lr0.008 --fractions 1.0"
   "once: --methods stacking --depth-scaling identity --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue --fractions 1.0"
   "once: --methods stacking --depth-scaling ode --fractions 1.0"
 )

@@ -49,13 +49,14 @@ SIZES = {
                       seq=64, batch=16, steps=960, fine_lr=2e-3),
     # The regime study's long points (docs/benchmarks.md, "Where it pays"): models small enough to
     # train at 20 and more tokens per parameter on 2 CPU cores, on the embedded corpus at a 512-piece
-    # vocabulary (8.7 million tokens: about one epoch at 20 tokens per parameter of 8 x 64).
+    # vocabulary (8.7 million tokens: about one epoch at 20 tokens per parameter of 8 x 64). Their
+    # rate: the best of 1e-3, 2e-3 and 4e-3 for scratch on 4 x 64 at 20 tokens per parameter.
     "cpu-4x64": dict(model={"kind": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
                             "vocab_size": 512, "max_sequence_length": 64},
-                     seq=64, batch=16, steps=4600, fine_lr=2e-3),
+                     seq=64, batch=16, steps=4600, fine_lr=4e-3),
     "cpu-8x64": dict(model={"kind": "gpt", "num_layers": 8, "hidden_size": 64, "num_attention_heads": 4,
                             "vocab_size": 512, "max_sequence_length": 64},
-                     seq=64, batch=16, steps=8500, fine_lr=2e-3),
+                     seq=64, batch=16, steps=8500, fine_lr=4e-3),
     # The ODE paper's model (Lauga et al.: GPT decoder, 12 blocks, width 256, 8 heads) and optimizer
     # (SGD; with its momentum, as configs/gpt_ode_paper.json), at the CPU data budget.
     "ode-paper": dict(model={"kind": "gpt", "num_layers": 12, "hidden_size": 256, "num_attention_heads": 8,
@@ -97,6 +98,11 @@ def base_config(args) -> dict:
     return base
 
 
+def fine_lr(args) -> float:
+    """The full model's peak learning rate of every method: ``--fine-lr``, else the size's."""
+    return args.fine_lr or SIZES[args.size]["fine_lr"]
+
+
 def variants(args, base: dict) -> dict[str, dict]:
     from megatron_multilevel.study.variants import variant_configs
 
@@ -106,11 +112,12 @@ def variants(args, base: dict) -> dict[str, dict]:
     common = dict(steps=steps, coarse_lr_factor=args.coarse_lr_factor, warmup=max(1, steps // 25),
                   after_warmup=after_warmup, budget=args.budget, perturbation_std=args.perturbation)
     out = {}
-    for lr in args.scratch_lr or [size["fine_lr"]]:
-        # the size's own rate is plain "scratch" (every earlier result's name); a tuned rate is named
+    for lr in args.scratch_lr or [fine_lr(args)]:
+        # the size's own rate is plain "scratch" (every earlier result's name), any other is named
+        # (also under --fine-lr: one name, one config, whatever the other methods' rate)
         name = "scratch" if lr == size["fine_lr"] else f"scratch-lr{lr:g}"
         out[name] = variant_configs(base, fine_lr=lr, methods=[], **common)["scratch"]
-    given = dict(fine_lr=size["fine_lr"], ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
+    given = dict(fine_lr=fine_lr(args), ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
                  depth_scaling=args.depth_scaling, shape=args.shape, depth_pairing=args.depth_pairing,
                  fcycle_revisit=args.fcycle_revisit, optimizer_state=args.optimizer_state,
                  after_lr_factor=args.after_lr_factor, ode=ode_overrides(args.ode), lr_schedule=args.lr_schedule,
@@ -474,7 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paper-variant", "--paper_variant", action="store_true",
                    help="also the 2-level V-cycle with the paper's E_a (5%%) and depth operators")
     p.add_argument("--scratch-lr", "--scratch_lr", type=float, nargs="*", default=None,
-                   help="tune the baseline: one scratch run per learning rate")
+                   help="tune the baseline: one scratch run per peak learning rate (the best is the baseline)")
+    p.add_argument("--fine-lr", "--fine_lr", type=float, default=None,
+                   help="the full model's peak learning rate of every method (default: the size's)")
     p.add_argument("--evals", type=int, default=12, help="validation points per run")
     p.add_argument("--eval-batches", "--eval_batches", type=int, default=32)
     p.add_argument("--split", default="95,5,0", help="data.split of every run")
