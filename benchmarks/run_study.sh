@@ -139,11 +139,21 @@ POINTS[long-4x64-4600]="--size cpu-4x64 --steps 4600"   # 0.24M parameters, 20 t
 POINTS[long-8x64-8500]="--size cpu-8x64 --steps 8500"   # 0.44M parameters, 20 tokens per parameter
 LONG_POINTS=(long-4x64-4600 long-8x64-8500)
 
+# The scale study's points again with the control it lacked: training from scratch and the recipe's
+# coarse model alone, on the same budget, two seeds (pinned as the regime study: one code version
+# per table, so that the smaller model is compared with the scratch run of its own code).
+CONTROLS=("--recipe --methods coarse --fractions 1.0")
+for point in "${ORDER[@]}"; do
+  POINTS[ctl-${point#cpu-}]="${POINTS[$point]}"
+  CONTROL_POINTS+=("ctl-${point#cpu-}")
+done
+
 recipes_of() {  # the recipe lines of a point
   case "$1" in
     ablation-8x256-480-b582310) printf '%s\n' "${ABLATION_B582310[@]}" ;;
     ablation-*) printf '%s\n' "${ABLATION[@]}" ;;
     long-*) printf '%s\n' "${LONG[@]}" ;;
+    ctl-*) printf '%s\n' "${CONTROLS[@]}" ;;
     *) printf '%s\n' "${RECIPES[@]}" ;;
   esac
 }
@@ -153,7 +163,8 @@ if [[ "${1:-}" == "--seeds" ]]; then
   max_seeds="${2:?--seeds takes a number}"; shift 2
 fi
 if [[ "${1:-}" == "--list" ]]; then
-  for point in "${ORDER[@]}" ablation-8x256-480 ablation-8x256-480-b582310 "${LONG_POINTS[@]}"; do
+  for point in "${ORDER[@]}" ablation-8x256-480 ablation-8x256-480-b582310 "${LONG_POINTS[@]}" \
+      "${CONTROL_POINTS[@]}"; do
     while IFS= read -r recipe; do
       echo "$point: ${POINTS[$point]} $recipe (seeds 1234 to $((1233 + ${SEEDS[$point]:-2})))"
     done < <(recipes_of "$point")

@@ -134,3 +134,35 @@ def test_best_multilevel_and_the_regime_plot(tmp_path):
     assert best_multilevel({"methods": {"stacking": row["methods"]["stacking"]}}) is None
     path = plot_regime({"made-up": [row, {**_row("p2", 1e5, 40.0, None), "shape": "4x64"}]}, str(tmp_path))
     assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_scale_studys_controls_are_read_from_their_own_points(tmp_path):
+    """A control run later at a scale-study point (benchmarks/ctl-*, controls.json) counts for the
+    scale point of the same shape and budget: the smaller model is then the advice at that budget."""
+    tool = _plan_tool()
+    rows = [{**_row(f"cpu-4x64-{steps}", 1e5, tpp, saving), "steps": steps}
+            for steps, tpp, saving in ((100, 0.1, 0.4), (1000, 1.0, 0.3), (10000, 10.0, 0.2), (100000, 100.0, 0.1))]
+    for r in rows:
+        r["methods"].pop("coarse")  # the scale study ran no control
+    (tmp_path / "study.json").write_text(json.dumps({"commit": "a" * 40, "points": rows}))
+    assert tool.main(["--params", "1e5", "--tokens", "5e5", "--benchmarks", str(tmp_path), "--json"]) == 0
+    control = {"point": "ctl-4x64-10000", "shape": "4x64", "steps": 10000, "parameters": 1e5,
+               "tokens_per_parameter": 10.0,
+               "methods": {"coarse": {"family": "coarse", "equal_quality": {"median": None},
+                                      "smaller_model_suffices": [2, 2]}}}
+    (tmp_path / "controls.json").write_text(json.dumps({"commit": "b" * 40, "points": [control]}))
+    points = tool.read_points(str(tmp_path))
+    assert [p.smaller_model_suffices for p in points] == [None, None, True, None]
+    from megatron_multilevel.study.planner import plan
+
+    assert plan(points, 1e5, 5e5)["advice"] == "smaller model"  # 5 tokens per parameter, under 10
+    assert plan(points, 1e5, 5e6)["advice"] == "multilevel"  # 50: beyond the control
+
+
+def _plan_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_schedule", ROOT / "tools" / "plan_schedule.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool

@@ -6,8 +6,8 @@
     python tools/plan_schedule.py --validate                           # each point predicted by the others
     python tools/plan_schedule.py --hold-out long-8x64-8500 --params 436864 --tokens 8.7e6  # predict before running
 
-Reads the scale study (``benchmarks/study.json``) and the regime study (``benchmarks/regime.json``),
-both made by ``tools/study_report.py``. The law and the advice are
+Reads the scale study (``benchmarks/study.json``, with its controls from ``benchmarks/controls.json``)
+and the regime study (``benchmarks/regime.json``), all made by ``tools/study_report.py``. The law and the advice are
 ``megatron_multilevel.study.planner``'s (docs/benchmarks.md, "The planner"): the smaller model alone
 where the study's control found it sufficient at the budget, training from scratch where the
 saving's interval lies under zero, else the multilevel schedule of the nearest measured point,
@@ -29,6 +29,15 @@ def read_points(benchmarks: str) -> list:
     from megatron_multilevel.study.planner import StudyPoint
     from megatron_multilevel.study.plotting import best_multilevel
 
+    def controls_of(row):  # the smaller-model control's [seeds where it reached scratch's loss, seeds]
+        return [m["smaller_model_suffices"] for m in row["methods"].values() if m.get("smaller_model_suffices")]
+
+    # the scale study's controls, run later at its points (benchmarks/ctl-*): by shape and budget
+    later = {}
+    path = os.path.join(benchmarks, "controls.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            later = {(r["shape"], r["steps"]): controls_of(r) for r in json.load(f)["points"]}
     points = []
     for study, name in STUDIES.items():
         path = os.path.join(benchmarks, name)
@@ -38,7 +47,7 @@ def read_points(benchmarks: str) -> list:
             rows = json.load(f)["points"]
         for r in rows:
             best = best_multilevel(r)
-            controls = [m["smaller_model_suffices"] for m in r["methods"].values() if m.get("smaller_model_suffices")]
+            controls = controls_of(r) or later.get((r["shape"], r["steps"]), [])
             points.append(StudyPoint(
                 point=r["point"], study=study, shape=r["shape"], parameters=r["parameters"],
                 tokens_per_parameter=r["tokens_per_parameter"], method=best,

@@ -3,11 +3,13 @@ against the budget per method.
 
     python tools/study_report.py                  # the scale study: benchmarks/cpu-*, writes benchmarks/study.*
     python tools/study_report.py --study regime   # the regime study: benchmarks/long-*, writes benchmarks/regime.*
+    python tools/study_report.py --study controls # the scale study's controls: benchmarks/ctl-*, controls.*
 
 A point of the scale study is a directory ``cpu-<layers>x<hidden>-<steps>`` of ``benchmarks/``
-(``run_study.sh --list``), one of the regime study ``long-<layers>x<hidden>-<steps>``; a point
+(``run_study.sh --list``), one of the regime study ``long-<layers>x<hidden>-<steps>``, one of the
+scale study's controls (the smaller model alone, and scratch) ``ctl-<layers>x<hidden>-<steps>``; a point
 counts when its ``results.json`` was made by the study's pinned code (``benchmarks/STUDY_COMMIT``
-for the scale study, each point's own ``STUDY_COMMIT`` for the regime study, one commit for all);
+for the scale study, each point's own ``STUDY_COMMIT`` for the others, one commit for all);
 the others are named and left out, so that the table never mixes code versions. Writes
 ``<study>.md`` (one row per point and method, then each multilevel method's lead over the point's
 baseline, the best-tuned training from scratch, at equal FLOPs at the end of each phase, from the
@@ -24,12 +26,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 # study -> (its points' directories, what its files are called)
 STUDIES = {"scale": (re.compile(r"^cpu-(\d+)x(\d+)-(\d+)$"), "study"),
-           "regime": (re.compile(r"^long-(\d+)x(\d+)-(\d+)$"), "regime")}
+           "regime": (re.compile(r"^long-(\d+)x(\d+)-(\d+)$"), "regime"),
+           # the scale study's points again, with the smaller-model control it lacked
+           "controls": (re.compile(r"^ctl-(\d+)x(\d+)-(\d+)$"), "controls")}
 
 
 def study_commit(benchmarks: str, study: str) -> str:
-    """The commit whose code makes the runs of ``study``: the scale study's pin, or the one pin of all
-    the regime study's points."""
+    """The commit whose code makes the runs of ``study``: the scale study's pin
+    (``benchmarks/STUDY_COMMIT``), else the one pin all the study's points share."""
     pattern, _ = STUDIES[study]
     if study == "scale":
         files = [os.path.join(benchmarks, "STUDY_COMMIT")]
@@ -165,7 +169,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--benchmarks", default=os.path.join(ROOT, "benchmarks"))
     p.add_argument("--study", choices=sorted(STUDIES), default="scale",
-                   help="scale: the cpu-* points (study.*); regime: the long-* points (regime.*)")
+                   help="scale: the cpu-* points (study.*); regime: the long-* points (regime.*); "
+                        "controls: the ctl-* points (controls.*)")
     p.add_argument("--out", default=None, help="where the table, the JSON and the plot go (default: --benchmarks)")
     args = p.parse_args(argv)
     out = args.out or args.benchmarks
@@ -196,6 +201,8 @@ def main(argv=None) -> int:
         f.write("\n")
     if args.study == "scale":
         plot = plot_scale(rows, out)
+    elif args.study == "controls":  # no saving to plot: the table says where the smaller model suffices
+        plot = "no plot"
     else:  # the regime's points beside the scale study's, each study with its own commit
         studies = {f"regime study ({commit[:7]})": rows}
         scale = os.path.join(args.benchmarks, "study.json")
