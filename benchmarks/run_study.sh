@@ -134,6 +134,12 @@ LONG=(
   "once: --recipe --fine-lr 0.008 --tag=-lr0.008 --fractions 1.0"
   "once: --methods stacking --depth-scaling identity --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue --fractions 1.0"
   "once: --methods stacking --depth-scaling ode --fractions 1.0"
+  # every seed, at the budget fractions of the equal-quality measure: the controls, the recipe,
+  # stacking with the same levers and as published
+  "--recipe --methods coarse --scratch-lr 0.002 0.004 0.008 --fractions 0.6 0.8 1.0"
+  "--recipe --fractions 0.6 0.8 1.0"
+  "--methods stacking --depth-scaling identity --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue --fractions 0.6 0.8 1.0"
+  "--methods stacking --depth-scaling ode --fractions 0.6 0.8 1.0"
 )
 POINTS[long-4x64-4600]="--size cpu-4x64 --steps 4600"   # 0.24M parameters, 20 tokens per parameter
 POINTS[long-8x64-8500]="--size cpu-8x64 --steps 8500"   # 0.44M parameters, 20 tokens per parameter
