@@ -141,9 +141,9 @@ LONG=(
   "--methods stacking --depth-scaling identity --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue --fractions 0.6 0.8 1.0"
   "--methods stacking --depth-scaling ode --fractions 0.6 0.8 1.0"
 )
-POINTS[long-4x64-4600]="--size cpu-4x64 --steps 4600"   # 0.24M parameters, 20 tokens per parameter
-POINTS[long-8x64-8500]="--size cpu-8x64 --steps 8500"   # 0.44M parameters, 20 tokens per parameter
-LONG_POINTS=(long-4x64-4600 long-8x64-8500)
+POINTS[long-4x64-4700]="--size cpu-4x64 --steps 4700"   # 236,928 parameters, 20.3 tokens per parameter
+POINTS[long-8x64-8600]="--size cpu-8x64 --steps 8600"   # 436,864 parameters, 20.2 tokens per parameter
+LONG_POINTS=(long-4x64-4700 long-8x64-8600)
 
 # The scale study's points again with the control it lacked: training from scratch and the recipe's
 # coarse model alone, on the same budget, two seeds (pinned as the regime study: one code version

@@ -4,7 +4,7 @@
     python tools/plan_schedule.py --config configs/gpt_base.json        # a config's model and budget
     python tools/plan_schedule.py --config configs/gpt_base.json --write /tmp/planned.json  # ... and its schedule
     python tools/plan_schedule.py --validate                           # each point predicted by the others
-    python tools/plan_schedule.py --hold-out long-8x64-8500 --params 436864 --tokens 8.7e6  # predict before running
+    python tools/plan_schedule.py --hold-out long-4x64-4700 --params 236928 --tokens 4.8e6  # predict before running
 
 Reads the scale study (``benchmarks/study.json``, with its controls from ``benchmarks/controls.json``)
 and the regime study (``benchmarks/regime.json``), all made by ``tools/study_report.py``. The law and the advice are
