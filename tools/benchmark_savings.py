@@ -98,6 +98,30 @@ def base_config(args) -> dict:
     return base
 
 
+def gstack_share(args, base: dict, steps: int) -> "float | None":
+    """``--gstack-share``: a number, None (the coarse share), or ``paper``: G_stack's growth-timing
+    rule (``study.variants.gstack_growth_tokens``) for this model and budget, as a share of its tokens."""
+    if args.gstack_share is None or (args.gstack_share == "paper" and "gstack" not in args.methods):
+        return None
+    if args.gstack_share != "paper":
+        try:
+            return float(args.gstack_share)
+        except ValueError:
+            raise ValueError(f"--gstack-share takes a share of the steps or 'paper', got {args.gstack_share!r}")
+    from megatron_multilevel.config import load_config
+    from megatron_multilevel.flops import flops_per_token, parameter_count
+    from megatron_multilevel.study.variants import gstack_growth_tokens
+
+    cfg = load_config({**base, "multilevel": {"enabled": False}})
+    tokens = steps * base["train_batch_size"] * cfg.data.seq_length
+    flops = tokens * flops_per_token(cfg.model, cfg.data.seq_length)
+    d = gstack_growth_tokens(parameter_count(cfg.model), flops)
+    if d >= tokens:
+        raise ValueError(f"--gstack-share paper: G_stack's rule asks for {d:.3g} small-model tokens, more than the "
+                         f"budget's {tokens:.3g} (the rule was fitted at 410M-7B parameters); give a share instead")
+    return d / tokens
+
+
 def fine_lr(args) -> float:
     """The full model's peak learning rate of every method: ``--fine-lr``, else the size's."""
     return args.fine_lr or SIZES[args.size]["fine_lr"]
@@ -121,7 +145,8 @@ def variants(args, base: dict) -> dict[str, dict]:
                  depth_scaling=args.depth_scaling, shape=args.shape, depth_pairing=args.depth_pairing,
                  fcycle_revisit=args.fcycle_revisit, optimizer_state=args.optimizer_state,
                  after_lr_factor=args.after_lr_factor, ode=ode_overrides(args.ode), lr_schedule=args.lr_schedule,
-                 interpolation=args.interpolation,
+                 interpolation=args.interpolation, gstack_factor=args.gstack_factor,
+                 gstack_share=gstack_share(args, base, steps),
                  methods=[m for m in METHODS if m != "ode2" or m in args.methods], **common)
 
     def methods(**change) -> dict[str, dict]:
@@ -131,7 +156,7 @@ def variants(args, base: dict) -> dict[str, dict]:
     main = methods()
     for name in args.methods:
         out[name] = main[name]
-    cycles = [name for name in args.methods if not name.startswith(("stacking", "coarse"))] or ["vcycle2"]
+    cycles = [name for name in args.methods if not name.startswith(("stacking", "coarse", "gstack"))] or ["vcycle2"]
     sweeps = [("alpha", a, dict(alpha=a)) for a in args.alpha[1:]]
     sweeps += [("ea", e, dict(ea=e)) for e in args.ea[1:]]
     sweeps += [("coarse", c, dict(coarse_share=c)) for c in args.coarse_share[1:]]
@@ -370,7 +395,7 @@ def best_scratch(results: list[dict]) -> str:
 
 
 def family(name: str) -> str:
-    for prefix in ("scratch", "coarse", "vcycle", "wcycle", "fcycle", "ode", "stacking"):
+    for prefix in ("scratch", "coarse", "vcycle", "wcycle", "fcycle", "ode", "stacking", "gstack"):
         if name.startswith(prefix):
             return prefix
     raise AssertionError(f"method {name!r} has no family")
@@ -478,6 +503,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ode", nargs="*", default=[], metavar="KEY=VALUE",
                    help="ode2: keys of its multilevel.ode block, e.g. coherence=none cycles=8 optimizer_state=map")
     p.add_argument("--perturbation", type=float, default=0.0, help="multilevel.perturbation_std of the cycles")
+    p.add_argument("--gstack-factor", "--gstack_factor", type=int, choices=[2, 4], default=4,
+                   help="gstack: how many times the small model is stacked (the paper: 4)")
+    p.add_argument("--gstack-share", "--gstack_share", default=None,
+                   help="gstack: share of the steps for the small model (default: --coarse-share), or 'paper': "
+                        "G_stack's growth-timing rule for this model and budget")
     p.add_argument("--paper-variant", "--paper_variant", action="store_true",
                    help="also the 2-level V-cycle with the paper's E_a (5%%) and depth operators")
     p.add_argument("--scratch-lr", "--scratch_lr", type=float, nargs="*", default=None,
@@ -558,7 +588,7 @@ def main(argv=None) -> int:
     return 0
 
 
-METHODS = ["coarse", "vcycle2", "vcycle3", "wcycle2", "fcycle2", "stacking", "stacking3", "ode2"]
+METHODS = ["coarse", "vcycle2", "vcycle3", "wcycle2", "fcycle2", "stacking", "stacking3", "gstack", "ode2"]
 
 
 def _reusable(path: str, version: str, config: dict) -> bool:

@@ -6,6 +6,7 @@ budget (:func:`compress`).
 
 import copy
 import dataclasses
+import math
 from typing import Sequence
 
 from megatron_multilevel.config import coarse_model_config, load_config
@@ -95,7 +96,8 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
                     perturbation_std: float = 0.0, shape: str = "width+depth", depth_pairing: str = "adjacent",
                     fcycle_revisit: float = 0.25, optimizer_state: str = "reset",
                     after_lr_factor: float = 1.0, ode: "dict | None" = None, lr_schedule: str = "restart",
-                    interpolation: str = "blend", methods: "Sequence[str] | None" = None) -> dict[str, dict]:
+                    interpolation: str = "blend", gstack_factor: int = 4, gstack_share: "float | None" = None,
+                    methods: "Sequence[str] | None" = None) -> dict[str, dict]:
     """Configs of the compared methods: training from scratch for ``steps`` global batches, and
     each other method within the same budget: the same training FLOPs (``budget="flops"``: the
     cheaper steps of coarse levels buy more steps at the fine level) or the same tokens
@@ -121,6 +123,13 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
       ``coarse_share`` of the steps, its layers stacked to full depth, the rest at full depth;
     - ``stacking3``: three stages, a quarter-depth model from scratch for half of ``coarse_share``
       of the steps, stacked to half depth for the other half, then to full depth;
+    - ``gstack``: G_stack (Du et al., NeurIPS 2024): a model of ``1 / gstack_factor`` of the depth
+      (4, the paper's choice, or 2) trained from scratch for ``gstack_share`` of the steps (default
+      ``coarse_share``; :func:`gstack_growth_tokens` is the paper's rule for it), then the whole
+      model stacked ``gstack_factor`` times (layer ``k`` of the grown model is layer ``k mod L/g`` of
+      the small one: halves-stacking, done twice at once for 4, plain copies), the rest at full
+      depth with the optimizer and the schedule restarted, as published (``optimizer_state``,
+      ``lr_schedule`` and ``after_warmup`` give it the recipe's levers);
     - ``ode2``: the multilevel ODE strategy (Lauga et al.): ``ode_cycles`` cycles (default 4) of
       ``ea / 2`` of the steps at the fine level, ``coarse_share / ode_cycles`` at the coarse model
       of every other layer (at the fine rate: it is as wide) and ``ea / 2`` at the fine level
@@ -225,6 +234,10 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
         _level(0, fine_lr, steps_after=coarse - quarter, after_peak=after_lr, after_warmup=after_warmup),
         _level(quarter, fine_lr, warmup=warmup),
     ])
+    gstack = _gstack(steps, fine_lr, factor=gstack_factor, share=coarse_share if gstack_share is None else gstack_share,
+                     budget=budget, warmup=warmup, after_lr=after_lr, after_warmup=after_warmup,
+                     ratios=_flops_ratios(base, {"num_levels": 3, "coalesce_width": False, "coalesce_depth": True}),
+                     config=config, optimizer_state=optimizer_state, lr_schedule=lr_schedule)
     # W-cycle: two coarse visits of half the coarse steps each, a fine visit of ea_steps between
     half = max(1, coarse // 2)
     wcycle2 = config({**common, "cycle": "w", "num_levels": 2, "levels": [
@@ -247,11 +260,46 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     out = {"scratch": scratch, "coarse": _coarse_alone(scratch, steps if budget == "tokens" else int(steps / r2[1]),
                                                        coarse_lr, shape),
            "vcycle2": vcycle2, "vcycle3": vcycle3, "wcycle2": wcycle2, "fcycle2": fcycle2,
-           "stacking": stacking, "stacking3": stacking3}
+           "stacking": stacking, "stacking3": stacking3, "gstack": gstack}
     if methods is None or "ode2" in methods:
         out["ode2"] = _ode_variant(steps, fine_lr, ea=ea, coarse_share=coarse_share, budget=budget, r=r_stack[1],
                                    warmup=warmup, ode=ode, lr_schedule=lr_schedule, config=config)
     return out if methods is None else {name: cfg for name, cfg in out.items() if name == "scratch" or name in methods}
+
+
+def gstack_growth_tokens(parameters: float, flops: float) -> float:
+    """G_stack's growth timing: the tokens ``d`` to train the small model on before stacking it, for
+    a grown model of ``parameters`` and a budget of ``flops``, by the rule Du et al. fitted (NeurIPS
+    2024, "Stacking Your Transformers", Section 5, and the README of their code, tongxuluo/prts):
+    ``log10(d) = 0.88 log10(N) + 163.27 / log10(C) - 5.74``. Fitted on models of 410M to 7B
+    parameters and budgets of about 1e20 to 1e22 FLOPs: far from there it is an extrapolation (at
+    the CPU study's sizes it asks for more tokens than the whole budget holds)."""
+    if parameters <= 0 or flops <= 1:
+        raise ValueError(f"G_stack's rule needs positive parameters and more than 1 FLOP, got {parameters}, {flops}")
+    return 10 ** (0.88 * math.log10(parameters) + 163.27 / math.log10(flops) - 5.74)
+
+
+def _gstack(steps: int, fine_lr: float, *, factor: int, share: float, budget: str, warmup: int, after_lr: float,
+            after_warmup: int, ratios: list[float], config, optimizer_state: str, lr_schedule: str) -> dict:
+    """The ``gstack`` method of :func:`variant_configs` (``ratios``: FLOPs per step of the full,
+    half- and quarter-depth models over the full one's)."""
+    if factor not in (2, 4):
+        raise ValueError(f"invalid gstack_factor {factor!r}; valid choices are [2, 4]")
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"invalid gstack_share {share!r}; it must be in (0, 1)")
+    small = max(1, round(share * steps))
+    r = ratios[1] if factor == 2 else ratios[2]
+    after = steps - small if budget == "tokens" else int(steps - small * r)
+    if after <= 0:
+        raise ValueError(f"gstack: {small} small-model steps leave no full-depth steps of the {steps}-step budget")
+    grown = _level(0, fine_lr, steps_after=after, after_peak=after_lr, after_warmup=after_warmup)
+    # 4: two halves-stackings at once, through a half-depth level that trains no step
+    middle = [_level(0, fine_lr)] if factor == 4 else []
+    return config({
+        "enabled": True, "cycle": "grow", "num_levels": 2 if factor == 2 else 3, "alpha": 1.0,
+        "coalesce_width": False, "coalesce_depth": True, "depth_pairing": "halves", "depth_scaling": "none",
+        "optimizer_state": optimizer_state, "lr_schedule": lr_schedule,
+        "levels": [grown, *middle, _level(small, fine_lr, warmup=warmup)]})
 
 
 def _coarse_alone(scratch: dict, steps: int, peak: float, shape: dict) -> dict:
