@@ -32,7 +32,7 @@ from megatron_multilevel.operators import (
     decoalesce_layer,
     interpolate,
 )
-from megatron_multilevel.ode_operators import prolong, prolongation_sources, restrict, restrict_layer
+from megatron_multilevel.ode_operators import prolong, prolongation_sources, restrict, restrict_gradient, restrict_layer
 from megatron_multilevel.plan import ParameterPlan, parameter_plan
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "correct_model",
     "LayerSelection",
     "restrict",
+    "restrict_gradient",
     "prolong",
     "restrict_layer",
     "prolongation_sources",

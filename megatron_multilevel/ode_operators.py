@@ -10,7 +10,8 @@ A pre-LN layer is one Euler step ``x <- x + h F(x; theta_l)``. The coarse model 
 - restriction ``R``: coarse layer ``i`` is a copy of fine layer ``2i + parity`` with its
   residual-branch outputs (``ParamRule.residual``) multiplied by ``s = residual_scale``; the shared
   parameters (embeddings, final norm, output layer) are copied. ``R`` is linear and acts on
-  gradients and optimizer moments the same way (``degree`` 2 for squared moments).
+  optimizer moments the same way (``degree`` 2 for squared moments). Gradients restrict
+  differently, by the adjoint of the prolongation (:func:`restrict_gradient`).
 - prolongation: the fine model before restriction plus the coarse change, ``theta_h + c P (theta_H_end
   - theta_H_start)``, where ``P`` divides the residual-branch outputs by ``s`` and writes coarse layer
   ``i``'s change into fine layer ``2i + parity`` (``correction``), and also into the skipped layer of
@@ -71,6 +72,34 @@ def restrict(state_dict: Mapping[str, torch.Tensor], selection: LayerSelection, 
     for i, j in enumerate(selection.layers):
         coarse = restrict_layer(layers[j], selection, degree=degree)
         out.update({layer_prefix(selection.coarse, i) + name: t for name, t in coarse.items()})
+    return out
+
+
+def restrict_gradient(gradient: Mapping[str, torch.Tensor], selection: LayerSelection,
+                      prolongation: "Prolongation" = "correction") -> StateDict:
+    """How a gradient of the fine loss restricts: the adjoint ``P^T`` of the prolongation of coarse
+    changes (:func:`prolong` with ``correction_scale`` 1), so that ``<P^T g, e> = <g, P e>`` for every
+    coarse change ``e``. MG/OPT needs this restriction for the gradients of its first-order
+    coherence: a descent direction of the corrected coarse objective is then one of the fine loss
+    once prolonged. Coarse layer ``i`` gathers every fine layer that receives its change, weighted
+    as it receives it (``prolongation_sources``), with the residual-branch outputs divided by the
+    residual scale (``P`` divides them so; the map is diagonal, its own transpose); the shared
+    parameters' gradients are copied. Not :func:`restrict`: where parameters restrict as
+    ``theta_H = s theta_h``, gradients scale by ``1 / s`` (the chain rule), and with ``constant``
+    or ``linear`` prolongation a coarse layer's gradient sums its pair's or neighbours'."""
+    model, layers = split_layers(gradient, selection.fine, selection.fine.num_layers, "fine")
+    out = {name: t.clone() for name, t in model.items()}
+    sums: list[Optional[StateDict]] = [None] * selection.coarse.num_layers
+    for j, sources in enumerate(prolongation_sources(selection, prolongation)):
+        if not sources:
+            continue
+        scaled = scale_residuals(layers[j], selection, 1.0 / selection.residual_scale)
+        for i, weight in sources:
+            part = scaled if weight == 1.0 else {name: t * weight for name, t in scaled.items()}
+            sums[i] = part if sums[i] is None else {name: sums[i][name] + t for name, t in part.items()}
+    for i, layer in enumerate(sums):
+        assert layer is not None, f"coarse layer {i} receives no fine layer's gradient"
+        out.update({layer_prefix(selection.coarse, i) + name: t for name, t in layer.items()})
     return out
 
 

@@ -124,7 +124,7 @@ def _case(case):
     from megatron_multilevel.models import build_model
     from megatron_multilevel.ode_operators import prolong as prolong_tensors
     from megatron_multilevel.ode_operators import restrict as restrict_tensors
-    from megatron_multilevel.ode_operators import unrestrict_layer
+    from megatron_multilevel.ode_operators import restrict_gradient, unrestrict_layer
     from megatron_multilevel.parallel import coherence
     from megatron_multilevel.parallel.ode_transition import DEGREE, prolong, restrict
     from megatron_multilevel.parallel.staging import Layout, load_moments
@@ -145,7 +145,7 @@ def _case(case):
     fine_full = _reference_gather(fine, cfg)
     fine_state = {k: _reference_gather(fine, cfg, k) for k in keys}
     fine_grad = coherence.step_gradients(fine.module, lambda m: _loss(fine.module, cfg, 2), 1)
-    restricted_grad = restrict_tensors(_gather_dict(fine_grad, cfg), sel)
+    restricted_grad = restrict_gradient(_gather_dict(fine_grad, cfg), sel, case["prolongation"])
 
     with _CountCollectives() as counter:
         if keys:

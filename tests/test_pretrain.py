@@ -392,3 +392,32 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path):
     # the checkpoint kept holds finite weights
     weights = module_states(tmp_path / "run" / "checkpoints" / latest)
     assert weights and all(torch.isfinite(t).all() for t in weights.values())
+
+
+# G_stack (study.variants' gstack): a quarter-depth model (1 layer) from scratch, then the whole
+# model stacked four times at once, through a half-depth level that trains no step; plain copies
+GSTACK = {"cycle": "grow", "num_levels": 3, "alpha": 1.0, "coalesce_width": False, "coalesce_depth": True,
+          "depth_pairing": "halves", "depth_scaling": "none",
+          "levels": [{"steps_after": 5, "lr_after": {"peak": 2e-3, "warmup_steps": 1}}, {"steps_after": 0},
+                     {"steps_before": 5, "lr_before": {"peak": 2e-3, "warmup_steps": 2}}]}
+
+
+def test_gstack_stacks_the_small_model_and_resumes_after_a_kill_while_growing(corpus, tmp_path):
+    """The walk 2, 1, 0 with no step at level 1; the model after the first growth (the checkpoint of
+    the empty phase) is the small model's layer twice, read from the checkpoints' own files; a run
+    killed during the second growth resumes on the uninterrupted run's losses."""
+    reference = _ok(launch(_config(tmp_path, corpus, "reference", multilevel=GSTACK, training=KEEP_ALL)))
+    run = tmp_path / "reference"
+    phases = json.loads((run / "summary.json").read_text())["phases"]
+    assert [(p["level"], p["steps"]) for p in phases] == [(2, 5), (1, 0), (0, 5)]
+    assert reference.stdout.count("de-coalesced, grown (alpha 1.0)") == 2
+    small = module_states(run / "checkpoints" / "phase00-step0000005")
+    grown = module_states(run / "checkpoints" / "phase01-step0000000")
+    layer = "decoder.layers."
+    assert {k for k in small if k.startswith(layer)} == {k for k in small if k.startswith(layer + "0.")}
+    for name, t in grown.items():
+        source = layer + "0." + name.split(".", 3)[3] if name.startswith(layer) else name
+        assert torch.equal(t, small[source]), name
+    assert {k for k in grown if k.startswith(layer + "1.")}  # two layers
+    crashed = _crash_and_resume(tmp_path, corpus, "transition2", multilevel=GSTACK, training=KEEP_ALL)
+    _assert_close_to_reference(crashed, {"dir": run}, **SAME_RUN)

@@ -29,9 +29,12 @@ class OdeConfig:
     ``linear`` gives each skipped layer the mean of its two neighbours' changes (the one at an end)."""
     coherence: Literal["none", "first_order"] = "none"
     """``first_order``: the MG/OPT tau correction. At restriction, on the first coarse batch,
-    ``v = R grad L_fine(theta) - grad L_coarse(R theta)`` is computed and added to every coarse
-    gradient of that coarse phase, so that the coarse gradient at the restricted point is the
-    restricted fine gradient (``R`` acts on gradients as on parameters). Its passes count in FLOPs."""
+    ``v = P^T grad L_fine(theta) - grad L_coarse(R theta)`` is computed and added to every coarse
+    gradient of that coarse phase, so that the coarse gradient at the restricted point is the fine
+    gradient restricted by the adjoint of the prolongation (``P^T``: residual-branch gradients
+    divided by ``residual_scale`` where parameters are multiplied by it; a pair's or neighbours'
+    gradients summed as ``prolongation`` spreads the change), and a descent direction there is one
+    of the fine loss once prolonged. Its passes count in FLOPs."""
     correction_scale: float = 1.0
     """Step size on the written-back change."""
     line_search: bool = False

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_multilevel.flops import flops_per_token, forward_flops_per_token
 from megatron_multilevel.level_maps import LayerSelection
-from megatron_multilevel.ode_operators import restrict as restrict_tensors
+from megatron_multilevel.ode_operators import restrict_gradient
 from megatron_multilevel.parallel import coherence
 from megatron_multilevel.parallel.ode_transition import carry, prolong, reshard_tensors, restrict, snapshot_fine
 from megatron_multilevel.parallel.staging import load_moments
@@ -89,7 +89,7 @@ class OdeCycle:
         ctx, state, sel = self.ctx, self.ctx.state, self.selection(nxt)
         extra, fine_grad = 0.0, None
         if self.ode.coherence == "first_order":
-            fine_grad = restrict_tensors(self._gradients(old, 0), sel)
+            fine_grad = restrict_gradient(self._gradients(old, 0), sel, self.ode.prolongation)
             extra += flops_per_token(ctx.levels.models[0], ctx.seq) * ctx.tokens_per_step
         if self.ode.line_search:
             state.ode["reference_loss"] = self._batch_loss(old, self._search_step(nxt))
