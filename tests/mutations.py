@@ -115,6 +115,16 @@ MUTATIONS = [
                "                sd[a], sd[b] = sd[b], sd[a]\n"
                "        shards.append(sd)\n    return shards"),),
              tuple(CONSOLIDATION)),
+    Mutation("coherence-sign", "the ODE strategy installs its coherence term with the wrong sign",
+             (("megatron_multilevel/training/ode_cycle.py",
+               "{name: fine_grad[name] - g for name, g in coarse_grad.items()}",
+               "{name: g - fine_grad[name] for name, g in coarse_grad.items()}"),),
+             ("tests/test_ode_pretrain.py::test_the_trainers_coherence_term_is_mg_opts",)),
+    Mutation("coherence-restriction", "the ODE strategy restricts gradients as parameters (not the adjoint)",
+             (("megatron_multilevel/ode_operators.py",
+               "scaled = scale_residuals(layers[j], selection, 1.0 / selection.residual_scale)",
+               "scaled = scale_residuals(layers[j], selection, float(selection.residual_scale))"),),
+             ("tests/test_ode_adjoint.py",)),
 ]
 
 

@@ -1,6 +1,7 @@
 """The ODE strategy end to end through the real launcher: phases, schedules, FLOPs, checkpoints at
 every transition, resume after a kill anywhere, SGD and AdamW, GPT and BERT, two processes."""
 
+import dataclasses
 import json
 import re
 
@@ -133,6 +134,64 @@ def _assert_same_run(run, reference_dir, tol):
 
 # Global steps: pre 1-2, coarse 3-5 (a checkpoint at 3), post 6-7, pre 8-9, coarse 10-12, post 13-14, final 15-16.
 # The kills during a transition are slow; mid-coarse resumes the coarse model and its restriction.
+def test_the_trainers_coherence_term_is_mg_opts(reference):
+    """The vector the trainer installed at the first restriction (``coherence.pt``) is ``P^T grad
+    L_fine(theta) - grad L_coarse(R theta)`` on the first coarse step's batch, computed here apart
+    from the trainer: the fine model of the checkpoint at restriction, its gradient restricted by
+    hand for ``linear`` prolongation at residual scale 2 (coarse layer 0 = fine 0 + fine 1 / 2,
+    coarse layer 1 = fine 2 + fine 1 / 2 + fine 3, the residual-branch outputs halved), the coarse
+    model built from fine layers 0 and 2 with those outputs doubled."""
+    from megatron_multilevel.config import load_config
+    from megatron_multilevel.data.datasets import build_data, micro_batches
+    from megatron_multilevel.distributed import init_single_process
+    from megatron_multilevel.models import build_model, language_model_loss
+
+    run = reference["dir"]
+    cfg = load_config(json.loads((run.parent / "run.json").read_text()))
+    init_single_process()
+    total = ODE["cycles"] * (ODE["pre_steps"] + ODE["coarse_steps"] + ODE["post_steps"]) + ODE["final_steps"]
+    data = build_data(cfg, train_samples=total * GLOBAL_BATCH, valid_samples=2 * GLOBAL_BATCH)
+    step = ODE["pre_steps"]  # the first coarse step's global step
+    batch = micro_batches(data.train, "gpt", range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH))
+    residual = ("self_attention.linear_proj.", "mlp.linear_fc2.")
+
+    def gradient(model_cfg, params):
+        model = build_model(model_cfg)
+        missing, unexpected = model.load_state_dict(params, strict=False)
+        assert not unexpected and all(k.endswith("_extra_state") for k in missing)
+        loss = language_model_loss(model, model_cfg, batch.tokens, batch.labels, batch.loss_mask)
+        loss.backward()
+        return {n: p.grad.double() for n, p in model.named_parameters()}
+
+    fine = module_states(run / "checkpoints" / f"phase00-step{step:07d}")
+    g = gradient(cfg.model, fine)
+
+    def layer(source, i):
+        prefix = f"decoder.layers.{i}."
+        return {n[len(prefix):]: t for n, t in source.items() if n.startswith(prefix)}
+
+    def scaled(values, factor):
+        return {n: t * factor if n.startswith(residual) else t for n, t in values.items()}
+
+    shared = {n: t for n, t in g.items() if not n.startswith("decoder.layers.")}
+    sums = [{n: g0 + g1 / 2 for (n, g0), g1 in zip(layer(g, 0).items(), layer(g, 1).values())},
+            {n: g2 + g1 / 2 + g3 for (n, g2), g1, g3 in zip(layer(g, 2).items(), layer(g, 1).values(),
+                                                           layer(g, 3).values())}]
+    restricted = dict(shared)
+    for i, values in enumerate(sums):
+        restricted.update({f"decoder.layers.{i}.{n}": t for n, t in scaled(values, 0.5).items()})
+    coarse_params = {n: t for n, t in fine.items() if not n.startswith("decoder.layers.")}
+    for i, j in enumerate((0, 2)):
+        coarse_params.update({f"decoder.layers.{i}.{n}": t for n, t in scaled(layer(fine, j), 2.0).items()})
+    coarse_cfg = dataclasses.replace(cfg.model, num_layers=2)
+    g_coarse = gradient(coarse_cfg, coarse_params)
+    installed = torch.load(run / "checkpoints" / f"phase01-step{1:07d}" / "coherence.pt", weights_only=True)
+    assert set(installed) == set(g_coarse)
+    for name, v in installed.items():
+        expected = restricted[name] - g_coarse[name]
+        assert torch.allclose(v.double(), expected, atol=1e-6, rtol=1e-4), name
+
+
 @pytest.mark.parametrize("crash_at, resumed_phase", [
     pytest.param("step4", 1, id="mid-coarse"),
     pytest.param("transition2", 1, id="during-prolongation", marks=pytest.mark.slow),
