@@ -143,7 +143,12 @@ LONG=(
 )
 POINTS[long-4x64-4700]="--size cpu-4x64 --steps 4700"   # 236,928 parameters, 20.3 tokens per parameter
 POINTS[long-8x64-8600]="--size cpu-8x64 --steps 8600"   # 436,864 parameters, 20.2 tokens per parameter
-LONG_POINTS=(long-4x64-4700 long-8x64-8600)
+# Where the smaller model suffices at 20 tokens per parameter (4 x 64: the coarse model alone ends
+# under the best scratch), the point shows nothing about multilevel training: further out, the
+# controls first, and the schedules only where the full model beats the smaller one.
+LONG_CONTROLS=("once: --recipe --methods coarse --scratch-lr 0.002 0.004 --fractions 1.0")
+POINTS[long-4x64-18800]="--size cpu-4x64 --steps 18800"  # 81.3 tokens per parameter (2.3 epochs)
+LONG_POINTS=(long-4x64-4700 long-8x64-8600 long-4x64-18800)
 
 # The scale study's points again with the control it lacked: training from scratch and the recipe's
 # coarse model alone, on the same budget, two seeds (pinned as the regime study: one code version
@@ -158,6 +163,7 @@ recipes_of() {  # the recipe lines of a point
   case "$1" in
     ablation-8x256-480-b582310) printf '%s\n' "${ABLATION_B582310[@]}" ;;
     ablation-*) printf '%s\n' "${ABLATION[@]}" ;;
+    long-4x64-18800) printf '%s\n' "${LONG_CONTROLS[@]}" ;;
     long-*) printf '%s\n' "${LONG[@]}" ;;
     ctl-*) printf '%s\n' "${CONTROLS[@]}" ;;
     *) printf '%s\n' "${RECIPES[@]}" ;;
