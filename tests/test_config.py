@@ -38,6 +38,7 @@ ACCEPTED = {
     ],
     OdeConfig: [
         "coarse", "coarse_deepspeed", "coarse_lr", "coarse_steps", "coarse_tensor_model_parallel_size", "coherence",
+        "coherence_batches",
         "correction_scale", "cycles", "final_lr", "final_steps", "fine_lr", "line_search", "optimizer_state",
         "post_steps", "pre_steps", "prolongation", "residual_scale",
     ],

@@ -141,26 +141,46 @@ def test_the_trainers_coherence_term_is_mg_opts(reference):
     hand for ``linear`` prolongation at residual scale 2 (coarse layer 0 = fine 0 + fine 1 / 2,
     coarse layer 1 = fine 2 + fine 1 / 2 + fine 3, the residual-branch outputs halved), the coarse
     model built from fine layers 0 and 2 with those outputs doubled."""
+    _check_coherence_vector(reference["dir"], batches=1)
+
+
+def test_the_coherence_term_averaged_over_batches(corpus, tmp_path):
+    """``coherence_batches`` 3: the vector is the mean over the coarse phase's first three batches
+    (gradients of both models on each), and its six passes count in the FLOPs."""
+    training = {"output_dir": str(tmp_path / "run"), "log_interval": 1, "eval_interval": 4, "eval_batches": 2,
+                "save_interval": 1, "seed": 5, "keep_checkpoints": 100}
+    _ok(launch(_config(tmp_path, corpus, "run", ode={**FULL, "coherence_batches": 3}, training=training)))
+    _check_coherence_vector(tmp_path / "run", batches=3)
+    coarse_phases = [p for p in _summary(tmp_path / "run")["phases"] if p["name"] == "coarse"]
+    fine, coarse = _flops(4), _flops(2)
+    for p in coarse_phases:  # and the line search's fine forward pass
+        assert p["extra_flops"] == pytest.approx(3 * (fine + coarse) + fine / 3, rel=1e-12)
+
+
+def _check_coherence_vector(run, *, batches: int) -> None:
+    """The trainer's first coherence vector against MG/OPT's, averaged over ``batches`` batches."""
     from megatron_multilevel.config import load_config
     from megatron_multilevel.data.datasets import build_data, micro_batches
     from megatron_multilevel.distributed import init_single_process
     from megatron_multilevel.models import build_model, language_model_loss
 
-    run = reference["dir"]
     cfg = load_config(json.loads((run.parent / "run.json").read_text()))
     init_single_process()
     total = ODE["cycles"] * (ODE["pre_steps"] + ODE["coarse_steps"] + ODE["post_steps"]) + ODE["final_steps"]
     data = build_data(cfg, train_samples=total * GLOBAL_BATCH, valid_samples=2 * GLOBAL_BATCH)
     step = ODE["pre_steps"]  # the first coarse step's global step
-    batch = micro_batches(data.train, "gpt", range(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH))
+    batches = [micro_batches(data.train, "gpt", range(s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH))
+               for s in range(step, step + batches)]
     residual = ("self_attention.linear_proj.", "mlp.linear_fc2.")
 
     def gradient(model_cfg, params):
+        """The mean gradient over the batches."""
         model = build_model(model_cfg)
         missing, unexpected = model.load_state_dict(params, strict=False)
         assert not unexpected and all(k.endswith("_extra_state") for k in missing)
-        loss = language_model_loss(model, model_cfg, batch.tokens, batch.labels, batch.loss_mask)
-        loss.backward()
+        for batch in batches:
+            loss = language_model_loss(model, model_cfg, batch.tokens, batch.labels, batch.loss_mask)
+            (loss / len(batches)).backward()
         return {n: p.grad.double() for n, p in model.named_parameters()}
 
     fine = module_states(run / "checkpoints" / f"phase00-step{step:07d}")

@@ -35,6 +35,11 @@ class OdeConfig:
     divided by ``residual_scale`` where parameters are multiplied by it; a pair's or neighbours'
     gradients summed as ``prolongation`` spreads the change), and a descent direction there is one
     of the fine loss once prolonged. Its passes count in FLOPs."""
+    coherence_batches: int = 1
+    """With ``first_order`` coherence: how many training batches ``v`` is averaged over (the coarse
+    phase's first ones; no more than ``coarse_steps``). Built on one batch, the constant term is as
+    wrong on the next as the minibatch noise between them; each batch costs a fine and a coarse
+    gradient pass, counted in FLOPs."""
     correction_scale: float = 1.0
     """Step size on the written-back change."""
     line_search: bool = False
@@ -81,8 +86,11 @@ class OdeConfig:
         for name in ("pre_steps", "post_steps", "final_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"multilevel.ode.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("coarse_steps", "cycles"):
+        for name in ("coarse_steps", "cycles", "coherence_batches"):
             check_positive(f"multilevel.ode.{name}", getattr(self, name))
+        if self.coherence_batches > self.coarse_steps:
+            raise ValueError(f"multilevel.ode.coherence_batches ({self.coherence_batches}) must not exceed "
+                             f"multilevel.ode.coarse_steps ({self.coarse_steps}): it averages the coarse phase's batches")
 
     def phase_specs(self) -> list[PhaseSpec]:
         """``pre``, ``coarse``, ``post`` per cycle, then ``final``; empty fine phases only where the

@@ -88,9 +88,10 @@ class OdeCycle:
     def _restrict(self, old, nxt: Phase) -> Transition:
         ctx, state, sel = self.ctx, self.ctx.state, self.selection(nxt)
         extra, fine_grad = 0.0, None
+        batches = self.ode.coherence_batches
         if self.ode.coherence == "first_order":
-            fine_grad = restrict_gradient(self._gradients(old, 0), sel, self.ode.prolongation)
-            extra += flops_per_token(ctx.levels.models[0], ctx.seq) * ctx.tokens_per_step
+            fine_grad = restrict_gradient(self._gradients(old, 0, batches), sel, self.ode.prolongation)
+            extra += batches * flops_per_token(ctx.levels.models[0], ctx.seq) * ctx.tokens_per_step
         if self.ode.line_search:
             state.ode["reference_loss"] = self._batch_loss(old, self._search_step(nxt))
             extra += forward_flops_per_token(ctx.levels.models[0], ctx.seq) * ctx.tokens_per_step
@@ -105,9 +106,9 @@ class OdeCycle:
         engine = self._start_engine(staged, nxt)
         if fine_grad is not None:
             fine_grad = reshard_tensors(fine_grad, sel.coarse, source=fine_groups, target=Groups.current())
-            coarse_grad = self._gradients(engine, 1)
+            coarse_grad = self._gradients(engine, 1, batches)
             self._install(engine, {name: fine_grad[name] - g for name, g in coarse_grad.items()})
-            extra += flops_per_token(ctx.levels.models[1], ctx.seq) * ctx.tokens_per_step
+            extra += batches * flops_per_token(ctx.levels.models[1], ctx.seq) * ctx.tokens_per_step
         return Transition(engine, f"restricted to {sel.describe()}", extra)
 
     def _prolong(self, coarse, phase: Phase, nxt: Phase) -> Transition:
@@ -166,15 +167,18 @@ class OdeCycle:
         return functools.partial(self.ctx.levels.build_empty_model, phase.level)
 
     # ------------------------------------------------------------------ coherence and line search
-    def _gradients(self, engine, level: int) -> dict[str, torch.Tensor]:
-        """The gradient of the first coarse step's batch (the current global step). The module is
-        called directly: DeepSpeed's own forward allows no backward but ``engine.backward``."""
+    def _gradients(self, engine, level: int, batches: int = 1) -> dict[str, torch.Tensor]:
+        """The mean gradient of the coarse phase's first ``batches`` training batches (from the
+        current global step on). The module is called directly: DeepSpeed's own forward allows no
+        backward but ``engine.backward``."""
         ctx = self.ctx
-        return coherence.step_gradients(
-            engine.module,
-            lambda micro: ctx.loss(level, ctx.batch(ctx.data.train, level, ctx.state.global_step, micro), engine.module),
-            ctx.levels.accumulation,
-        )
+        accumulation, step = ctx.levels.accumulation, ctx.state.global_step
+
+        def micro_loss(i: int) -> torch.Tensor:
+            batch = ctx.batch(ctx.data.train, level, step + i // accumulation, i % accumulation)
+            return ctx.loss(level, batch, engine.module)
+
+        return coherence.step_gradients(engine.module, micro_loss, batches * accumulation)
 
     def _install(self, engine, v: dict[str, torch.Tensor]) -> None:
         self.hook = coherence.CoherenceHook(engine.module, v, self.ctx.levels.accumulation)
