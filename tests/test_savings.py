@@ -662,3 +662,28 @@ def test_savings_are_against_the_best_tuned_scratch():
     # the untuned scratch stays beside it, with the FLOPs it would have needed: never reached
     assert summary["methods"]["scratch"]["final_valid_loss"]["median"] == pytest.approx(3.85)
     assert "| scratch-lr0.004 |" in tool.table(summary) and "| scratch |" in tool.table(summary)
+
+
+def test_the_baselines_own_crossing_is_no_saving():
+    """A baseline whose curve dips under its final loss before the end (a noisy last evaluation)
+    crosses it early; both crossing figures measure against that crossing, so the baseline saves
+    nothing by either, and a method's normalised saving is against the same point."""
+    tool = _tool()
+    times = {"8x256": {"seconds_per_step": 1.0}}
+
+    def run(method, losses):
+        valid = [{"flops": 25.0 * (i + 1), "tokens": i, "seconds": float(i + 1), "loss": loss, "level": 0}
+                 for i, loss in enumerate(losses)]
+        return {"method": method, "seed": 1, "fraction": 1.0, "valid": valid,
+                "phases": [{"steps": 100, "model": {"num_layers": 8, "hidden_size": 256}, "flops": 100.0}],
+                "totals": {"final_valid_loss": losses[-1], "flops": 100.0, "wall_seconds": 4.0}}
+
+    summary = tool.collect([run("scratch", [5.0, 4.0, 3.0, 3.1]), run("fcycle2", [4.0, 3.05, 2.9, 2.8])], times)
+    base = summary["methods"]["scratch"]["seeds"][0]
+    assert base["crossing_saving_flops"] == 0.0 and base["crossing_saving_seconds_normalized"] == pytest.approx(0.0)
+    # scratch reaches 3.1 at 50 + 25 * 0.9 = 72.5 FLOPs (between 4.0 and 3.0, before its last 3.1);
+    # fcycle2 at 25 + 25 * 0.9 / 0.95
+    ours = summary["methods"]["fcycle2"]["seeds"][0]
+    expected = 1 - (25 + 25 * 0.9 / 0.95) / 72.5
+    assert ours["crossing_saving_flops"] == pytest.approx(expected)
+    assert ours["crossing_saving_seconds_normalized"] == pytest.approx(expected)  # one shape: seconds follow FLOPs

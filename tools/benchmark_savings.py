@@ -324,7 +324,8 @@ def _commit() -> str:
 
 def collect(results: list[dict], times: dict) -> dict:
     """Savings per method and seed against the baseline of the same seed, and their medians."""
-    from megatron_multilevel.study.savings import at_fraction, equal_quality, run_savings, summarize
+    from megatron_multilevel.study.savings import (at_fraction, equal_quality, fine_curve, first_crossing,
+                                                   run_savings, summarize)
 
     def records(run):
         return [{**r, "type": "valid"} for r in run["valid"]]
@@ -350,7 +351,10 @@ def collect(results: list[dict], times: dict) -> dict:
                 row.update({f"crossing_{k}": v for k, v in crossing.items() if k.startswith(("saving", "flops_to",
                                                                                                 "seconds_to"))})
                 if crossing["flops_to_target"] is not None:
-                    base_at = normalized_at_flops(base["phases"], times, base["totals"]["flops"])
+                    # against the FLOPs at which the baseline itself first reaches its final loss,
+                    # as the FLOPs saving is (a noisy last evaluation can come after that)
+                    base_crossing = first_crossing(fine_curve(records(base), "flops"), target)
+                    base_at = normalized_at_flops(base["phases"], times, base_crossing)
                     row["crossing_saving_seconds_normalized"] = 1.0 - normalized_at_flops(
                         full["phases"], times, crossing["flops_to_target"]) / base_at
             eq = equal_quality([(r["fraction"], r["totals"]["final_valid_loss"]) for r in runs], target)
