@@ -9,8 +9,8 @@
 Reads the scale study (``benchmarks/study.json``, with its controls from ``benchmarks/controls.json``)
 and the regime study (``benchmarks/regime.json``), all made by ``tools/study_report.py``. The law and the advice are
 ``megatron_multilevel.study.planner``'s (docs/benchmarks.md, "The planner"): the smaller model alone
-where the study's control found it sufficient at the budget, training from scratch where the
-saving's interval lies under zero, else the multilevel schedule of the nearest measured point,
+where the study's control found it sufficient at the budget, training from scratch where the saving's
+interval does not lie above zero, else the multilevel schedule of the nearest measured point,
 with the saving the law expects and its uncertainty. Parameters count the embedding.
 """
 
@@ -60,11 +60,14 @@ def read_points(benchmarks: str) -> list:
     return points
 
 
-def config_budget(path: str, data_parallel: int = 1) -> tuple[int, int, object]:
-    """A config's parameters (embedding counted), tokens of its run (its global batch: train_batch_size,
-    else micro batch x accumulation x ``data_parallel``), and the raw config."""
+def config_budget(path: str, data_parallel: int = 1) -> dict:
+    """A config's ``parameters`` (embedding counted), the ``tokens`` of its run (a multilevel run's
+    compute counted in tokens of the full model) and so the from-scratch ``steps`` it is worth, its
+    global batch (train_batch_size, else micro batch x accumulation x ``data_parallel``), the peak
+    learning rate and warm-up of the run's start, and the ``raw`` config."""
     from megatron_multilevel.config import load_config
-    from megatron_multilevel.flops import parameter_count
+    from megatron_multilevel.flops import flops_per_token, parameter_count
+    from megatron_multilevel.training.schedule import build_phases
 
     with open(path) as f:
         raw = json.load(f)
@@ -74,25 +77,28 @@ def config_budget(path: str, data_parallel: int = 1) -> tuple[int, int, object]:
     ds = cfg.deepspeed
     batch = ds.get("train_batch_size") or (ds.get("train_micro_batch_size_per_gpu", 1)
                                             * ds.get("gradient_accumulation_steps", 1) * data_parallel)
-    tokens = cfg.training.train_steps * batch * cfg.data.seq_length
-    return parameter_count(cfg.model), tokens, raw
+    seq = cfg.data.seq_length
+    phases = build_phases(cfg)
+    models = cfg.level_models() if cfg.multilevel.enabled else [cfg.model]
+    # the run's compute in tokens of the full model: every phase's steps at its level's cost
+    flops = sum(p.steps * batch * seq * flops_per_token(models[p.level], seq) for p in phases)
+    tokens = round(flops / flops_per_token(cfg.model, seq))
+    return {"parameters": parameter_count(cfg.model), "tokens": tokens, "steps": round(tokens / (batch * seq)),
+            "peak": phases[0].lr.peak, "warmup": phases[0].lr.warmup_steps, "raw": raw}
 
 
-def planned_config(raw: dict, schedule: dict) -> dict:
-    """``raw`` with the recipe's multilevel block at the planned coarse share and second visit,
-    for the config's own steps, learning rate and warm-up."""
+def planned_config(budget: dict, schedule: dict) -> dict:
+    """The config of ``budget`` (:func:`config_budget`) with the recipe's multilevel block at the
+    planned coarse share and second visit, for its from-scratch steps, peak rate and warm-up."""
     from megatron_multilevel.study.variants import RECIPE, variant_configs
 
-    from megatron_multilevel.config import load_config
-
-    base = {k: v for k, v in raw.items() if k != "multilevel"}
-    training = load_config(base).training
+    base = {k: v for k, v in budget["raw"].items() if k != "multilevel"}
     settings = {**RECIPE, "coarse_share": round(schedule["coarse_share"], 3)}
     if schedule.get("revisit") is not None:
         settings["fcycle_revisit"] = round(schedule["revisit"], 3)
-    made = variant_configs(base, steps=training.train_steps, fine_lr=training.lr.peak,
-                           warmup=training.lr.warmup_steps, methods=["fcycle2"], **settings)["fcycle2"]
-    return {**raw, "multilevel": made["multilevel"]}
+    made = variant_configs(base, steps=budget["steps"], fine_lr=budget["peak"], warmup=budget["warmup"],
+                           methods=["fcycle2"], **settings)["fcycle2"]
+    return {**budget["raw"], "multilevel": made["multilevel"]}
 
 
 def describe(result: dict) -> str:
@@ -111,8 +117,8 @@ def describe(result: dict) -> str:
                      "or more tokens per parameter, it reached the best-tuned full model's final loss on the "
                      "same FLOPs; a multilevel saving there shows only that the full model was not needed yet")
     elif advice == "scratch":
-        lines.append("advice: train the full model from scratch: the multilevel schedules are not expected "
-                     "to reach its loss with fewer FLOPs at this budget")
+        lines.append("advice: train the full model from scratch: no multilevel schedule is shown to reach its "
+                     "loss with fewer FLOPs at this budget (the saving's interval does not lie above zero)")
     else:
         lines.append(f"advice: {advice}: F-cycle, {s['num_levels']} levels, depth only, coarse share "
                      f"{s['coarse_share']:.2f} of the steps, E_a {s['ea']:.2f}"
@@ -125,7 +131,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=float, help="parameters of the full model, embedding counted")
     p.add_argument("--tokens", type=float, help="training tokens of the run")
-    p.add_argument("--config", help="a GPT config: its model and budget (train_steps x batch x sequence)")
+    p.add_argument("--config", help="a GPT config: its model and budget (train_steps x batch x sequence; a "
+                                    "multilevel config's compute in tokens of the full model)")
     p.add_argument("--write", help="with --config: write the config with the planned multilevel block here")
     p.add_argument("--data-parallel", "--data_parallel", type=int, default=1,
                    help="with --config and no train_batch_size: the data-parallel size of the global batch")
@@ -154,9 +161,10 @@ def main(argv=None) -> int:
         print(f"\nroot mean square leave-one-out error: "
               f"{100 * (sum(r['error'] ** 2 for r in rows) / len(rows)) ** 0.5:.1f} points of saving")
         return 0
-    raw = None
+    budget = None
     if args.config:
-        params, tokens, raw = config_budget(args.config, args.data_parallel)
+        budget = config_budget(args.config, args.data_parallel)
+        params, tokens = budget["parameters"], budget["tokens"]
     else:
         params, tokens = args.params, args.tokens
     try:
@@ -165,11 +173,11 @@ def main(argv=None) -> int:
         p.error(str(e))
     print(json.dumps(result, indent=1) if args.json else describe(result))
     if args.write:
-        if not result["advice"].startswith("multilevel"):
+        if result["advice"] != "multilevel":
             print(f"not written: the advice is {result['advice']!r}, not a multilevel schedule")
             return 0
         with open(args.write, "w") as f:
-            json.dump(planned_config(raw, result["schedule"]), f, indent=2)
+            json.dump(planned_config(budget, result["schedule"]), f, indent=2)
             f.write("\n")
         print(f"written: {args.write}")
     return 0

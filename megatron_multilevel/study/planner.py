@@ -11,8 +11,8 @@ parameters, as Chinchilla does. Its uncertainty is the usual prediction interval
 (residual standard error, widened by the point's leverage); its quality is stated by the residual
 error and the leave-one-out errors (:func:`leave_one_out`). Two controls decide before the law
 does: where the coarse model alone reached the best scratch's final loss at a measured point at
-or beyond the budget asked about, the smaller model is the advice; where the interval lies under
-zero, training the full model from scratch is.
+or beyond the budget asked about, the smaller model is the advice; where the interval does not lie
+above zero (the saving is not shown), training the full model from scratch is.
 """
 
 import dataclasses
@@ -115,7 +115,8 @@ def _distance(p: StudyPoint, parameters: float, tokens_per_parameter: float) -> 
 def plan(points: Sequence[StudyPoint], parameters: float, tokens: float) -> dict:
     """The advice for a model of ``parameters`` trained on ``tokens``: ``advice`` (``"multilevel"``,
     ``"smaller model"``, ``"scratch"``), the expected saving and its interval, the schedule of the
-    nearest measured point, the control that decided, and the fit's range."""
+    nearest measured point (what a multilevel run would use), the control that decided, and the
+    fit's range."""
     if parameters <= 0 or tokens <= 0:
         raise ValueError(f"parameters and tokens must be positive, got {parameters} and {tokens}")
     tpp = tokens / parameters
@@ -131,12 +132,7 @@ def plan(points: Sequence[StudyPoint], parameters: float, tokens: float) -> dict
            "tokens_per_parameter_range": [math.exp(v) for v in law.log_tpp_range],
            "schedule": nearest.schedule, "from_point": nearest.point,
            "control": suffices[0].point if suffices else None}
-    if suffices:
-        advice = "smaller model"
-    elif mean - half > 0:
-        advice = "multilevel"
-    elif mean + half < 0 or mean <= 0:
-        advice = "scratch"
-    else:
-        advice = "multilevel (uncertain)"
+    # a multilevel schedule only where the law's interval lies above zero: elsewhere it is not
+    # shown to pay, and the full model from scratch is the safe advice
+    advice = "smaller model" if suffices else "multilevel" if mean - half > 0 else "scratch"
     return {**out, "advice": advice}
