@@ -76,12 +76,11 @@ def main(argv=None) -> int:
 
     quiet_library_notices()  # before anything imports DeepSpeed or builds a model
     from megatron_multilevel.config import load_config
+    from megatron_multilevel.config.parsing import read_json
     from megatron_multilevel.training.baseline import baseline_config, run_baseline
 
-    with open(args.config) as f:
-        data = json.load(f)
     try:
-        cfg = load_config(apply_overrides(data, args.overrides))
+        cfg = load_config(apply_overrides(read_json(args.config), args.overrides))
         baseline = baseline_config(cfg) if wants_baseline(args, cfg) else None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

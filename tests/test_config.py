@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -277,3 +278,32 @@ def test_gpu_recipe_configs_spend_their_scratch_baselines_flops(name):
     run, scratch = load_config(root / name), load_config(root / "gpt_base_scratch.json")
     assert baseline_config(run).training.train_steps == scratch.training.train_steps
     assert baseline_config(run).model == scratch.model
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"train_batch_size": 0}, r"^train_batch_size must be a positive integer, got 0$"),
+    ({"train_batch_size": -8}, r"^train_batch_size must be a positive integer, got -8$"),
+    ({"train_micro_batch_size_per_gpu": "4"}, r"^train_micro_batch_size_per_gpu must be a positive integer, got '4'$"),
+    ({"gradient_accumulation_steps": True}, r"^gradient_accumulation_steps must be a positive integer, got True$"),
+    ({"zero_optimization": {"stage": 4}}, r"^zero_optimization.stage = 4; valid choices are \[0, 1, 2, 3\]$"),
+    ({"zero_optimization": {"stage": "1"}}, r"^zero_optimization.stage = '1'; valid choices are \[0, 1, 2, 3\]$"),
+    ({"multilevel": {"enabled": True, "levels": [{"steps_before": 1, "steps_after": 1},
+                                                 {"steps_before": 1, "deepspeed": {"zero_optimization": {"stage": 5}}}]}},
+     r"^zero_optimization.stage \(level 1\) = 5; valid choices"),
+])
+def test_batch_sizes_and_zero_stage_are_checked_before_deepspeed_sees_them(changes, message):
+    """What DeepSpeed would stop on with an assertion or a validation traceback after start-up is
+    one line at load time, naming the key (and the level whose overrides hold it)."""
+    with pytest.raises(ValueError, match=message):
+        load_config({"train_batch_size": 8, **changes})
+
+
+def test_a_config_file_that_is_not_json_is_one_line(tmp_path):
+    from megatron_multilevel.config.parsing import read_json
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "train_batch_size": 8,\n  "model": {"num_layers": \n')
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(bad))}: not valid JSON: Expecting value at line 4, column 1$"):
+        load_config(str(bad))
+    with pytest.raises(ValueError, match=r"missing.json: cannot be read \(No such file or directory\)"):
+        read_json(tmp_path / "missing.json")

@@ -41,6 +41,24 @@ def check_deepspeed_keys(keys, where: str) -> None:
         raise ValueError(f"{where}: unknown DeepSpeed key(s) {unknown}; valid keys are {sorted(DEEPSPEED_KEYS)}")
 
 
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def check_batch_and_zero(deepspeed: dict, where: str = "") -> None:
+    """The batch sizes and the ZeRO stage of a (merged) DeepSpeed config, checked before DeepSpeed
+    sees them: it would stop with an assertion or a validation traceback after start-up."""
+    for key in BATCH_KEYS:
+        value = deepspeed.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{key}{where} must be a positive integer, got {value!r}")
+    zero = deepspeed.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ValueError(f"zero_optimization{where} must be an object, got {zero!r}")
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in ZERO_STAGES:
+        raise ValueError(f"zero_optimization.stage{where} = {stage!r}; valid choices are {list(ZERO_STAGES)}")
+
+
 def carries_optimizer_state(kind: str) -> bool:
     """Whether the transitions know the state of DeepSpeed's ``optimizer.type`` ``kind``."""
     return kind.lower() in ("adam", "adamw") or kind == "SGD"

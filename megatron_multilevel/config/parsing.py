@@ -5,9 +5,23 @@ and the valid choices, before anything is built.
 """
 
 import dataclasses
+import json
+import os
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
+
+
+def read_json(path: "str | os.PathLike") -> Any:
+    """A JSON file's value; a missing, unreadable or malformed file is a ValueError naming the file
+    (and the line and column where the JSON breaks), not a traceback."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
 def parse_dataclass(cls: type, data: Any, path: str) -> Any:

@@ -9,7 +9,6 @@ typo such as ``"zero_optimisation"``. Every "is this run valid" answer is given 
 """
 
 import dataclasses
-import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from megatron_multilevel.config.deepspeed import (
     OPTIMIZER_STATE_KEYS,
     STATE_OPTIMIZERS,
     ZERO_STAGES,
+    check_batch_and_zero,
     carries_optimizer_state,
     deep_merge,
     optimizer_state_keys,
@@ -38,7 +38,7 @@ from megatron_multilevel.config.parallel import (
     check_sequence_parallel_supported,
     resolve_sequence_parallel,
 )
-from megatron_multilevel.config.parsing import parse_dataclass, to_dict
+from megatron_multilevel.config.parsing import parse_dataclass, read_json, to_dict
 from megatron_multilevel.config.training import TrainingConfig
 from megatron_multilevel.cycles import arrivals
 
@@ -79,6 +79,8 @@ class RunConfig:
         self._check_width_symmetry()
         self._check_continued_schedule()
         check_optimizers(self)
+        for level in range(len(self.level_models())):
+            check_batch_and_zero(self.level_deepspeed(level), "" if level == 0 else f" (level {level})")
         if self.multilevel.optimizer_state == "map":
             self._check_mapped_state()
 
@@ -314,11 +316,7 @@ OUR_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "dee
 
 def load_config(source: "str | os.PathLike | dict") -> RunConfig:
     """Parse a run config from a JSON file path or an already loaded dict."""
-    if isinstance(source, dict):
-        data = source
-    else:
-        with open(source) as f:
-            data = json.load(f)
+    data = source if isinstance(source, dict) else read_json(source)
     if not isinstance(data, dict):
         raise ValueError("config: the top level must be a JSON object")
     unknown = sorted(k for k in data if k not in OUR_KEYS and k not in DEEPSPEED_KEYS)
