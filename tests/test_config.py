@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -307,3 +308,31 @@ def test_a_config_file_that_is_not_json_is_one_line(tmp_path):
         load_config(str(bad))
     with pytest.raises(ValueError, match=r"missing.json: cannot be read \(No such file or directory\)"):
         read_json(tmp_path / "missing.json")
+
+
+def test_one_learning_rate_for_a_run_from_scratch():
+    """A DeepSpeed user's optimizer.params.lr is the peak when training.lr.peak is not given; both
+    given and different is refused, naming both and the one the run trains at; a multilevel run,
+    which trains at its levels' schedules, says when that rate is not the one its full model uses."""
+    adamw = {"type": "AdamW", "params": {"lr": 0.5}}
+    assert load_config({"optimizer": adamw}).training.lr.peak == 0.5
+    assert load_config({"optimizer": adamw, "training": {"lr": {"peak": 0.5}}}).training.lr.peak == 0.5
+    with pytest.raises(ValueError, match=r"^optimizer.params.lr = 0.5 and training.lr.peak = 0.001 differ: "
+                                         r"the run trains at training.lr.peak"):
+        load_config({"optimizer": adamw, "training": {"lr": {"peak": 1e-3}}})
+    levels = [{"steps_before": 2, "lr_before": {"peak": 0.002}, "steps_after": 2}, {"steps_before": 2}]
+    with pytest.warns(UserWarning, match=r"optimizer.params.lr = 0.5 is not used by a multilevel run: the full "
+                                         r"model's first phase trains at 0.002"):
+        load_config({"optimizer": adamw, "multilevel": {"enabled": True, "levels": levels}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.002}},
+                     "multilevel": {"enabled": True, "levels": levels}})
+    # such a run's baseline from scratch trains at the full model's rate, and says so in both places
+    from megatron_multilevel.training.baseline import baseline_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = load_config({"optimizer": adamw, "multilevel": {"enabled": True, "levels": levels}})
+    baseline = baseline_config(run)
+    assert baseline.training.lr.peak == 0.002 == baseline.deepspeed["optimizer"]["params"]["lr"]

@@ -83,6 +83,19 @@ class RunConfig:
             check_batch_and_zero(self.level_deepspeed(level), "" if level == 0 else f" (level {level})")
         if self.multilevel.optimizer_state == "map":
             self._check_mapped_state()
+        self._check_unused_rate()
+
+    def _check_unused_rate(self) -> None:
+        """A multilevel run trains at its levels' schedules, not at ``optimizer.params.lr``: a rate
+        there that the full model's first phase does not train at is said, not silently dropped."""
+        rate = self.deepspeed.get("optimizer", {}).get("params", {}).get("lr")
+        if rate is None or not self.multilevel.enabled:
+            return
+        fine = [spec for spec in self.multilevel.phase_specs() if spec.level == 0 and spec.steps]
+        if fine and fine[0].lr.peak != rate:
+            warnings.warn(
+                f"optimizer.params.lr = {rate!r} is not used by a multilevel run: the full model's first phase "
+                f"trains at {fine[0].lr.peak!r} (its level's schedule; each level has its own)", stacklevel=2)
 
     def _check_continued_schedule(self) -> None:
         """``lr_schedule = "continue"`` runs one schedule over the whole run: every phase that trains
@@ -314,11 +327,36 @@ class RunConfig:
 OUR_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "deepspeed")
 
 
+def _one_peak(data: dict) -> dict:
+    """A run from scratch trains at ``training.lr.peak``; DeepSpeed users set the rate in
+    ``optimizer.params.lr``. Given alone, that one is the peak (a copy of ``data`` says so); given
+    both and different, the config is refused, since only one can be the rate trained at. (A
+    multilevel run's rates are its levels' schedules: see ``RunConfig._check_unused_rate``.)"""
+    optimizer = data.get("optimizer")
+    rate = optimizer.get("params", {}).get("lr") if isinstance(optimizer, dict) else None
+    multilevel = data.get("multilevel")
+    if rate is None or (isinstance(multilevel, dict) and multilevel.get("enabled")):
+        return data
+    training = data.get("training", {})
+    lr = training.get("lr", {}) if isinstance(training, dict) else {}
+    if not isinstance(lr, dict):
+        return data  # the parser says what is wrong with it
+    if "peak" not in lr:
+        return {**data, "training": {**training, "lr": {**lr, "peak": rate}}}
+    if lr["peak"] != rate:
+        raise ValueError(
+            f"optimizer.params.lr = {rate!r} and training.lr.peak = {lr['peak']!r} differ: the run trains at "
+            f"training.lr.peak (the schedule's peak; DeepSpeed's scheduler is not used); set one of them, or both alike"
+        )
+    return data
+
+
 def load_config(source: "str | os.PathLike | dict") -> RunConfig:
     """Parse a run config from a JSON file path or an already loaded dict."""
     data = source if isinstance(source, dict) else read_json(source)
     if not isinstance(data, dict):
         raise ValueError("config: the top level must be a JSON object")
+    data = _one_peak(data)
     unknown = sorted(k for k in data if k not in OUR_KEYS and k not in DEEPSPEED_KEYS)
     if unknown:
         raise ValueError(

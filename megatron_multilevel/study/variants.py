@@ -194,6 +194,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     scratch["multilevel"] = {"enabled": False}
     scratch.setdefault("training", {})["train_steps"] = steps
     scratch["training"]["lr"] = {"peak": fine_lr, "warmup_steps": warmup}
+    _same_rate(scratch, fine_lr)
     after_lr = after_lr_factor * fine_lr  # the fine level's peak after a return from a coarser one
     common = {"enabled": True, **shape, "alpha": alpha, "depth_scaling": depth_scaling, "lr_schedule": lr_schedule,
               "interpolation": interpolation,
@@ -312,7 +313,16 @@ def _coarse_alone(scratch: dict, steps: int, peak: float, shape: dict) -> dict:
     lr = out["training"]["lr"]
     warmup = round(lr.get("warmup_steps", 0) * steps / out["training"]["train_steps"])
     out["training"].update(train_steps=steps, lr={**lr, "peak": peak, "warmup_steps": warmup})
+    _same_rate(out, peak)
     return out
+
+
+def _same_rate(config: dict, peak: float) -> None:
+    """A from-scratch ``config`` whose ``optimizer.params.lr`` says the rate it trains at (a
+    config that gives both rates must give them alike)."""
+    params = config.get("optimizer", {}).get("params", {})
+    if "lr" in params:
+        params["lr"] = peak
 
 
 ODE_DEFAULTS = {"coarse": "alternate", "residual_scale": 2, "prolongation": "correction", "coherence": "first_order",

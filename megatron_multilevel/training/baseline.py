@@ -56,6 +56,8 @@ def baseline_config(cfg: RunConfig) -> RunConfig:
     data["parallel"] = {"tensor_model_parallel_size": cfg.level_tp_sizes()[0]}
     data["training"].update(train_steps=steps, lr=dataclasses.asdict(lr),
                             output_dir=os.path.join(cfg.training.output_dir, BASELINE_DIR))
+    if "lr" in data.get("optimizer", {}).get("params", {}):  # from scratch, one rate: the schedule's
+        data["optimizer"]["params"]["lr"] = lr.peak
     return load_config(data)
 
 
