@@ -287,6 +287,24 @@ def test_bert_to_hf_computes_the_megatron_models_logits(bert_reference, tmp_path
     assert (theirs - ours).abs().max() < 1e-4 * max(1.0, ours.abs().max().item())
 
 
+def test_a_copied_run_exports_with_its_own_tokenizer(reference, corpus, tmp_path):
+    """A run keeps its tokenizer in its directory; that directory, copied elsewhere, exports to
+    Hugging Face with it from any working directory (the export's own generation check passes)."""
+    from megatron_multilevel.checkpoints.convert import load_source
+
+    run = reference["dir"]
+    assert (run / "tokenizer.model").read_bytes() == open(corpus["model"], "rb").read()
+    copy = tmp_path / "elsewhere" / "run"
+    shutil.copytree(run, copy)
+    assert load_source(str(copy)).tokenizer == str(copy / "tokenizer.model")
+    export = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "to-hf", str(copy),
+                             str(tmp_path / "hf")], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    _ok(export)
+    assert "without a tokenizer" not in export.stdout
+    assert list((tmp_path / "hf").glob("tokenizer*")), sorted(p.name for p in (tmp_path / "hf").iterdir())
+
+
 def test_two_nodes_on_localhost(reference, corpus, tmp_path):
     """Two "nodes" of one process each, started the DeepSpeed way without ssh."""
     hostfile = tmp_path / "hostfile"

@@ -18,6 +18,7 @@ from megatron_multilevel.checkpoints.hf import (
     check_exportable, from_hf_state_dict, hf_logits, hf_model, hf_model_class, model_config_from_hf, to_hf_state_dict)
 from megatron_multilevel.checkpoints.hf_generation import check_generation, write_tokenizer
 from megatron_multilevel.config import DataConfig, ModelConfig, check_alpha, check_model_parallel
+from megatron_multilevel.data.tokenizer import run_tokenizer_copy
 from megatron_multilevel.level_maps import LayerSelection, LevelMap, make_level_map
 from megatron_multilevel.operators import coalesce, decoalesce, interpolate
 from megatron_multilevel.parallel.tp_layout import shard
@@ -39,8 +40,12 @@ class Source:
     tokenizer: Optional[str] = None  # the tokenizer of its token ids, where one is known
 
 
-def run_tokenizer(config: dict) -> Optional[str]:
-    """The tokenizer a run trained with (its config's, or the embedded corpus's), if it is on disk."""
+def run_tokenizer(config: dict, run_dir: Optional[str] = None) -> Optional[str]:
+    """The tokenizer a run trained with: the copy kept in its run directory (``run_dir``), else its
+    config's, or the embedded corpus's, if it is on disk."""
+    kept = run_tokenizer_copy(run_dir) if run_dir else None
+    if kept:
+        return kept
     data = config.get("data", {})
     path = data.get("tokenizer_model")
     if path is None:
@@ -73,7 +78,7 @@ def load_source(path: str) -> Source:
     return Source(tensors, ckpt.model, ckpt.level, ckpt.sidecar["level_maps"],
                   {"kind": "deepspeed", "path": ckpt.path, "tag": ckpt.tag, "tensor_model_parallel_size": ckpt.tp,
                    "zero_stage": ckpt.zero_stage, "phase": state["phase"], "step": state["step"],
-                   "global_step": state["global_step"], **ode}, shards, tokenizer=run_tokenizer(ckpt.sidecar["config"]))
+                   "global_step": state["global_step"], **ode}, shards, tokenizer=run_tokenizer(ckpt.sidecar["config"], os.path.dirname(os.path.dirname(ckpt.path))))
 
 
 def _require(ok: bool, what: str) -> None:

@@ -27,6 +27,7 @@ class Data:
     train: object
     valid: object
     tokenizer: object  # SentencePieceTokenizer or HuggingFaceTokenizer
+    tokenizer_path: Optional[str] = None  # its file (SentencePiece) or directory (Hugging Face)
 
 
 @dataclass
@@ -125,7 +126,7 @@ def build_data(cfg: RunConfig, *, train_samples: int, valid_samples: int) -> Dat
     # samples for each: the split a call does not use gets one sample.
     train = _build_split(cfg, sources, tokenizer, seed=cfg.training.seed, sizes=[train_samples, 1, 1])
     valid = _build_split(cfg, sources, tokenizer, seed=cfg.data.valid_seed, sizes=[1, valid_samples, 1])
-    return Data(train[0], valid[1], tokenizer)
+    return Data(train[0], valid[1], tokenizer, os.path.abspath(sources.tokenizer))
 
 
 def _build_split(cfg: RunConfig, sources: DataSources, tokenizer, *, seed: int, sizes: list):

@@ -13,7 +13,7 @@ import hashlib
 import io
 import logging
 import os
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import numpy
 import sentencepiece as spm
@@ -226,3 +226,34 @@ def sentences_of(documents: Iterable[str], *, max_chars: int = 4096) -> Iterator
         for line in doc.split("\n"):
             if line.strip():
                 yield line[:max_chars]
+
+
+RUN_TOKENIZER = ("tokenizer.model", "tokenizer")  # in a run directory: a SentencePiece file, or a directory
+
+
+def keep_tokenizer(tokenizer_path: str, run_dir: str) -> str:
+    """A copy of a run's tokenizer in its run directory (``tokenizer.model``, or ``tokenizer/`` for a
+    Hugging Face directory), written once and atomically, so that the run directory exports with
+    its tokenizer from anywhere, copied anywhere. Returns the copy's path."""
+    import shutil
+
+    name = RUN_TOKENIZER[1] if os.path.isdir(tokenizer_path) else RUN_TOKENIZER[0]
+    target = os.path.join(run_dir, name)
+    if os.path.exists(target):
+        return target
+    tmp = f"{target}.tmp{os.getpid()}"
+    if os.path.isdir(tokenizer_path):
+        shutil.copytree(tokenizer_path, tmp)
+    else:
+        shutil.copyfile(tokenizer_path, tmp)
+    os.replace(tmp, target)
+    return target
+
+
+def run_tokenizer_copy(run_dir: str) -> Optional[str]:
+    """The tokenizer kept in ``run_dir`` by :func:`keep_tokenizer`, or None."""
+    for name in RUN_TOKENIZER:
+        path = os.path.join(run_dir, name)
+        if os.path.exists(path):
+            return os.path.abspath(path)
+    return None

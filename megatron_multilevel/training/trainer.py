@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_multilevel.config import RunConfig, config_to_dict
 from megatron_multilevel.data.datasets import build_data
+from megatron_multilevel.data.tokenizer import keep_tokenizer
 from megatron_multilevel.flops import flops_per_token
 from megatron_multilevel.level_maps import LevelMap, run_level_maps
 from megatron_multilevel.training import checkpoint
@@ -262,6 +263,8 @@ class Trainer:
         train_samples = self.ctx.total_steps * self.levels.global_batch
         valid_samples = self.cfg.training.eval_batches * self.levels.global_batch
         self.ctx.data = build_data(self.cfg, train_samples=train_samples, valid_samples=valid_samples)
+        if dist.get_rank() == 0:  # the run directory exports with its tokenizer, from anywhere
+            keep_tokenizer(self.ctx.data.tokenizer_path, self.ctx.run_dir)
         self.ctx.metrics.say(
             f"{len(self.phases)} phase(s), {self.ctx.total_steps} steps of {self.levels.global_batch} x {self.ctx.seq} "
             f"tokens on {dist.get_world_size()} rank(s); levels: "
