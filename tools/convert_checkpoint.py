@@ -73,6 +73,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    from megatron_multilevel.compat import quiet_library_notices
+
+    quiet_library_notices()  # before Megatron-Core builds a model: its known notices, dropped
     args = parse_args(argv)
     import warnings
 

@@ -53,6 +53,9 @@ def mean_and_error(values: list[float]) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
+    from megatron_multilevel.compat import quiet_library_notices
+
+    quiet_library_notices()  # before Megatron-Core builds a model: its known notices, dropped
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="run directories (the first is the reference)")
     p.add_argument("--samples", type=int, nargs="+", default=[128, 256, 512, 1024])

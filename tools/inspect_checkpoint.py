@@ -54,6 +54,9 @@ def describe(path: str) -> dict:
 
 
 def main(argv=None) -> int:
+    from megatron_multilevel.compat import quiet_library_notices
+
+    quiet_library_notices()  # before Megatron-Core builds a model: its known notices, dropped
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print everything as JSON")
