@@ -103,7 +103,10 @@ def test_from_hf_vcycle_to_hf_with_the_models_own_tokenizer(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "resuming from phase00-step0000000" in run.stdout and "done: final validation loss" in run.stdout
     trained = convert.load_source(str(tmp_path / "run"))
-    assert trained.tokenizer == str(tmp_path / "gpt2")
+    # the run keeps its (Hugging Face) tokenizer directory, and exports with that copy
+    assert trained.tokenizer == str(tmp_path / "run" / "tokenizer")
+    kept = sorted(p.name for p in (tmp_path / "run" / "tokenizer").iterdir())
+    assert kept == sorted(p.name for p in (tmp_path / "gpt2").iterdir())
     assert not torch.equal(trained.tensors["embedding.word_embeddings.weight"], imported["embedding.word_embeddings.weight"])
     # export: the directory alone is a working transformers model with its tokenizer
     convert.to_hf(str(tmp_path / "run"), str(tmp_path / "export"), overwrite=False)
