@@ -145,8 +145,18 @@ POINTS[long-4x64-4700]="--size cpu-4x64 --steps 4700"   # 236,928 parameters, 20
 POINTS[long-8x64-8600]="--size cpu-8x64 --steps 8600"   # 436,864 parameters, 20.2 tokens per parameter
 # Where the smaller model suffices at 20 tokens per parameter (4 x 64: the coarse model alone ends
 # under the best scratch), the point shows nothing about multilevel training: further out, the
-# controls first, and the schedules only where the full model beats the smaller one.
-LONG_CONTROLS=("once: --recipe --methods coarse --scratch-lr 0.002 0.004 --fractions 1.0")
+# controls first, and the schedules only where the full model beats the smaller one. At 81 tokens
+# per parameter it does (1.4612 against the coarse model's 1.4965): the schedules follow, the
+# share first, then the controls' other rates, then every seed and fraction.
+LONG_CONTROLS=(
+  "once: --recipe --methods coarse --scratch-lr 0.002 0.004 --fractions 1.0"
+  "once: --recipe --coarse-share 0.8 0.5 0.65 --fractions 1.0"
+  "once: --methods stacking --depth-scaling identity --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue --fractions 1.0"
+  "once: --methods stacking --depth-scaling ode --fractions 1.0"
+  "once: --recipe --methods coarse --coarse-lr-factor 0.5 --tag=-lr0.5 --fractions 1.0"
+  "once: --recipe --methods coarse --coarse-lr-factor 2 --tag=-lr2 --fractions 1.0"
+  "once: --recipe --fcycle-revisit 0.25 --tag=-revisit0.25 --fractions 1.0"
+)
 POINTS[long-4x64-18800]="--size cpu-4x64 --steps 18800"  # 81.3 tokens per parameter (2.3 epochs)
 LONG_POINTS=(long-4x64-4700 long-8x64-8600 long-4x64-18800)
 
