@@ -40,7 +40,7 @@ from megatron_multilevel.config.parallel import (
     resolve_sequence_parallel,
 )
 from megatron_multilevel.config.parsing import check_alpha, check_positive, parse_dataclass, to_dict
-from megatron_multilevel.config.run import OUR_KEYS, RunConfig, config_to_dict, load_config
+from megatron_multilevel.config.run import OUR_KEYS, RunConfig, config_to_dict, load_config, match_optimizer_rate
 from megatron_multilevel.config.training import LRConfig, PhaseSpec, TrainingConfig
 
 __all__ = [
@@ -50,6 +50,6 @@ __all__ = [
     "valid_tp_sizes", "COALESCE_ONLY_KEYS", "STRATEGIES", "LevelConfig", "MultilevelConfig", "VisitConfig",
     "RESIDUAL_SCALES", "OdeConfig", "check_optimizer", "check_optimizers", "ParallelConfig",
     "check_sequence_parallel_supported", "resolve_sequence_parallel", "check_alpha", "check_positive",
-    "parse_dataclass", "to_dict", "OUR_KEYS", "RunConfig", "config_to_dict", "load_config", "LRConfig",
+    "parse_dataclass", "to_dict", "OUR_KEYS", "RunConfig", "config_to_dict", "load_config", "match_optimizer_rate", "LRConfig",
     "PhaseSpec", "TrainingConfig",
 ]

@@ -349,6 +349,14 @@ def _one_peak(data: dict) -> dict:
     return data
 
 
+def match_optimizer_rate(data: dict, peak: float) -> None:
+    """Make a from-scratch config ``data`` that gives ``optimizer.params.lr`` give it as ``peak``, the
+    rate its schedule trains at (both given must agree: :func:`_one_peak`)."""
+    params = data.get("optimizer", {}).get("params", {})
+    if "lr" in params:
+        params["lr"] = peak
+
+
 def load_config(source: "str | os.PathLike | dict") -> RunConfig:
     """Parse a run config from a JSON file path or an already loaded dict."""
     data = source if isinstance(source, dict) else read_json(source)

@@ -9,7 +9,7 @@ import dataclasses
 import math
 from typing import Sequence
 
-from megatron_multilevel.config import coarse_model_config, load_config
+from megatron_multilevel.config import coarse_model_config, load_config, match_optimizer_rate
 from megatron_multilevel.flops import flops_per_token
 
 
@@ -194,7 +194,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     scratch["multilevel"] = {"enabled": False}
     scratch.setdefault("training", {})["train_steps"] = steps
     scratch["training"]["lr"] = {"peak": fine_lr, "warmup_steps": warmup}
-    _same_rate(scratch, fine_lr)
+    match_optimizer_rate(scratch, fine_lr)
     after_lr = after_lr_factor * fine_lr  # the fine level's peak after a return from a coarser one
     common = {"enabled": True, **shape, "alpha": alpha, "depth_scaling": depth_scaling, "lr_schedule": lr_schedule,
               "interpolation": interpolation,
@@ -237,7 +237,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     ])
     gstack = _gstack(steps, fine_lr, factor=gstack_factor, share=coarse_share if gstack_share is None else gstack_share,
                      budget=budget, warmup=warmup, after_lr=after_lr, after_warmup=after_warmup,
-                     ratios=_flops_ratios(base, {"num_levels": 3, "coalesce_width": False, "coalesce_depth": True}),
+                     ratios=r3_stack,
                      config=config, optimizer_state=optimizer_state, lr_schedule=lr_schedule)
     # W-cycle: two coarse visits of half the coarse steps each, a fine visit of ea_steps between
     half = max(1, coarse // 2)
@@ -313,16 +313,8 @@ def _coarse_alone(scratch: dict, steps: int, peak: float, shape: dict) -> dict:
     lr = out["training"]["lr"]
     warmup = round(lr.get("warmup_steps", 0) * steps / out["training"]["train_steps"])
     out["training"].update(train_steps=steps, lr={**lr, "peak": peak, "warmup_steps": warmup})
-    _same_rate(out, peak)
+    match_optimizer_rate(out, peak)
     return out
-
-
-def _same_rate(config: dict, peak: float) -> None:
-    """A from-scratch ``config`` whose ``optimizer.params.lr`` says the rate it trains at (a
-    config that gives both rates must give them alike)."""
-    params = config.get("optimizer", {}).get("params", {})
-    if "lr" in params:
-        params["lr"] = peak
 
 
 ODE_DEFAULTS = {"coarse": "alternate", "residual_scale": 2, "prolongation": "correction", "coherence": "first_order",

@@ -19,7 +19,7 @@ import tempfile
 
 import torch.distributed as dist
 
-from megatron_multilevel.config import RunConfig, config_to_dict, deep_merge, load_config
+from megatron_multilevel.config import RunConfig, config_to_dict, deep_merge, load_config, match_optimizer_rate
 from megatron_multilevel.flops import flops_per_token
 from megatron_multilevel.study.savings import run_savings
 from megatron_multilevel.training.metrics import read_metrics
@@ -56,8 +56,7 @@ def baseline_config(cfg: RunConfig) -> RunConfig:
     data["parallel"] = {"tensor_model_parallel_size": cfg.level_tp_sizes()[0]}
     data["training"].update(train_steps=steps, lr=dataclasses.asdict(lr),
                             output_dir=os.path.join(cfg.training.output_dir, BASELINE_DIR))
-    if "lr" in data.get("optimizer", {}).get("params", {}):  # from scratch, one rate: the schedule's
-        data["optimizer"]["params"]["lr"] = lr.peak
+    match_optimizer_rate(data, lr.peak)
     return load_config(data)
 
 
