@@ -66,11 +66,11 @@ def config_budget(path: str, data_parallel: int = 1) -> dict:
     global batch (train_batch_size, else micro batch x accumulation x ``data_parallel``), the peak
     learning rate and warm-up of the run's start, and the ``raw`` config."""
     from megatron_multilevel.config import load_config
-    from megatron_multilevel.flops import flops_per_token, parameter_count
-    from megatron_multilevel.training.schedule import build_phases
+    from megatron_multilevel.config.parsing import read_json
+    from megatron_multilevel.flops import parameter_count
+    from megatron_multilevel.training.schedule import build_phases, fine_equivalent_steps
 
-    with open(path) as f:
-        raw = json.load(f)
+    raw = read_json(path)
     cfg = load_config(raw)
     if cfg.model.kind != "gpt":
         raise SystemExit(f"plan_schedule: {path} is a {cfg.model.kind} model; the studies measured GPT only")
@@ -79,10 +79,7 @@ def config_budget(path: str, data_parallel: int = 1) -> dict:
                                             * ds.get("gradient_accumulation_steps", 1) * data_parallel)
     seq = cfg.data.seq_length
     phases = build_phases(cfg)
-    models = cfg.level_models() if cfg.multilevel.enabled else [cfg.model]
-    # the run's compute in tokens of the full model: every phase's steps at its level's cost
-    flops = sum(p.steps * batch * seq * flops_per_token(models[p.level], seq) for p in phases)
-    tokens = round(flops / flops_per_token(cfg.model, seq))
+    tokens = round(fine_equivalent_steps(cfg, phases) * batch * seq)  # the run's compute in full-model tokens
     return {"parameters": parameter_count(cfg.model), "tokens": tokens, "steps": round(tokens / (batch * seq)),
             "peak": phases[0].lr.peak, "warmup": phases[0].lr.warmup_steps, "raw": raw}
 

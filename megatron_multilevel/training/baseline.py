@@ -20,10 +20,9 @@ import tempfile
 import torch.distributed as dist
 
 from megatron_multilevel.config import RunConfig, config_to_dict, deep_merge, load_config, match_optimizer_rate
-from megatron_multilevel.flops import flops_per_token
 from megatron_multilevel.study.savings import run_savings
 from megatron_multilevel.training.metrics import read_metrics
-from megatron_multilevel.training.schedule import build_phases
+from megatron_multilevel.training.schedule import build_phases, fine_equivalent_steps
 
 BASELINE_DIR = "baseline"
 SUMMARY = "summary.json"
@@ -42,10 +41,8 @@ def baseline_config(cfg: RunConfig) -> RunConfig:
     if not cfg.multilevel.enabled:
         raise ValueError("--with-baseline compares a multilevel run with training from scratch, and "
                          "multilevel.enabled is false; drop --with-baseline")
-    phases, models, seq = build_phases(cfg), cfg.level_models(), cfg.data.seq_length
-    # every level trains the same tokens per step: the run's steps in fine steps of equal FLOPs
-    steps = max(1, round(sum(p.steps * flops_per_token(models[p.level], seq) for p in phases)
-                         / flops_per_token(models[0], seq)))
+    phases = build_phases(cfg)
+    steps = max(1, round(fine_equivalent_steps(cfg, phases)))  # the run's FLOPs in fine steps
     fine = [p.lr for p in phases if p.level == 0 and p.steps] or [cfg.training.lr]
     first = next((p.lr for p in phases if p.steps), fine[0])
     lr = dataclasses.replace(fine[0], warmup_steps=first.warmup_steps, decay=fine[-1].decay,

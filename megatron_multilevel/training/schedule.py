@@ -28,6 +28,7 @@ from typing import Optional
 
 from megatron_multilevel.config import LRConfig, RunConfig
 from megatron_multilevel.cycles import Arrival, arrivals, ode_arrivals
+from megatron_multilevel.flops import flops_per_token
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,13 @@ def lr_factor(step: int, total: int, lr: LRConfig) -> float:
     else:
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
     return lr.min_ratio + (1.0 - lr.min_ratio) * shape
+
+
+def fine_equivalent_steps(cfg: RunConfig, phases: list[Phase]) -> float:
+    """The run's training FLOPs in steps of the full model: every phase's steps at its level's cost
+    (every level trains the same tokens per step; a run from scratch: its steps)."""
+    models, seq = cfg.level_models(), cfg.data.seq_length
+    return sum(p.steps * flops_per_token(models[p.level], seq) for p in phases) / flops_per_token(models[0], seq)
 
 
 def schedule_signature(phases: list[Phase]) -> list[dict]:
