@@ -135,7 +135,8 @@ def test_the_tool_plans_a_config_and_writes_its_schedule(tmp_path, capsys):
 
 
 def test_best_multilevel_and_the_regime_plot(tmp_path):
-    from megatron_multilevel.study.plotting import best_multilevel, plot_regime
+    from megatron_multilevel.study.plotting import plot_regime
+    from megatron_multilevel.study.savings import best_multilevel
 
     row = _row("p1", 1e5, 20.0, 0.25)
     row["methods"]["fcycle2-coarse0.5"] = {"family": "fcycle", "equal_quality": {"median": 0.3}}

@@ -27,33 +27,30 @@ STUDIES = {"scale": "study.json", "regime": "regime.json"}
 def read_points(benchmarks: str) -> list:
     """Every point of the committed studies, as the planner reads it."""
     from megatron_multilevel.study.planner import StudyPoint
-    from megatron_multilevel.study.plotting import best_multilevel
+    from megatron_multilevel.study.savings import best_multilevel, control_verdict, with_controls
 
-    def controls_of(row):  # the smaller-model control's [seeds where it reached scratch's loss, seeds]
-        return [m["smaller_model_suffices"] for m in row["methods"].values() if m.get("smaller_model_suffices")]
-
-    # the scale study's controls, run later at its points (benchmarks/ctl-*): by shape and budget
-    later = {}
-    path = os.path.join(benchmarks, "controls.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            later = {(r["shape"], r["steps"]): controls_of(r) for r in json.load(f)["points"]}
-    points = []
-    for study, name in STUDIES.items():
+    def rows_of(name):
         path = os.path.join(benchmarks, name)
         if not os.path.isfile(path):
-            continue
+            return None
         with open(path) as f:
-            rows = json.load(f)["points"]
+            return json.load(f)["points"]
+
+    points = []
+    for study, name in STUDIES.items():
+        rows = rows_of(name)
+        if rows is None:
+            continue
+        if study == "scale":  # with the controls run later at its points (benchmarks/ctl-*)
+            rows = with_controls(rows, rows_of("controls.json") or [])
         for r in rows:
             best = best_multilevel(r)
-            controls = controls_of(r) or later.get((r["shape"], r["steps"]), [])
             points.append(StudyPoint(
                 point=r["point"], study=study, shape=r["shape"], parameters=r["parameters"],
                 tokens_per_parameter=r["tokens_per_parameter"], method=best,
                 saving=None if best is None else r["methods"][best]["equal_quality"]["median"],
                 schedule=None if best is None else r["methods"][best].get("schedule"),
-                smaller_model_suffices=any(reached for reached, _ in controls) if controls else None))
+                smaller_model_suffices=control_verdict(r)))
     if not points:
         raise SystemExit(f"plan_schedule: no study in {benchmarks} ({', '.join(STUDIES.values())}): "
                          "run tools/study_report.py first")

@@ -53,15 +53,6 @@ def study_commit(benchmarks: str, study: str) -> str:
     return pins.pop()
 
 
-def controls_commit(benchmarks: str) -> str:
-    """The short commit of the scale study's controls (``controls.json``), or ``none``."""
-    path = os.path.join(benchmarks, "controls.json")
-    if not os.path.isfile(path):
-        return "none"
-    with open(path) as f:
-        return json.load(f)["commit"][:7]
-
-
 def read_points(benchmarks: str, commit: str, pattern=STUDIES["scale"][0]) -> tuple[dict[str, dict], list[str]]:
     """The points made by ``commit`` (each results.json with its ``steps``), and notes on the others."""
     points, notes = {}, []
@@ -192,7 +183,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"study_report: no point of {args.benchmarks} was made by {commit[:12]}")
 
     from megatron_multilevel.study.plotting import plot_regime, plot_scale
-    from megatron_multilevel.study.savings import study_rows
+    from megatron_multilevel.study.savings import study_rows, with_controls
 
     rows = study_rows(points, parameter_counts(points))
     os.makedirs(out, exist_ok=True)
@@ -218,15 +209,13 @@ def main(argv=None) -> int:
         if os.path.isfile(scale):
             with open(scale) as f:
                 kept = json.load(f)
-            scale_rows = kept["points"]
+            scale_rows, controls_commit = kept["points"], "none"
             controls = os.path.join(args.benchmarks, "controls.json")
             if os.path.isfile(controls):  # the controls run later at the scale study's points
                 with open(controls) as f:
-                    later = {(r["shape"], r["steps"]): r["methods"] for r in json.load(f)["points"]}
-                scale_rows = [{**r, "methods": {**r["methods"], **{
-                    f"{name} (control)": m for name, m in later.get((r["shape"], r["steps"]), {}).items()
-                    if m.get("smaller_model_suffices")}}} for r in scale_rows]
-            studies[f"scale study ({kept['commit'][:7]}; controls {controls_commit(args.benchmarks)})"] = scale_rows
+                    later = json.load(f)
+                scale_rows, controls_commit = with_controls(scale_rows, later["points"]), later["commit"][:7]
+            studies[f"scale study ({kept['commit'][:7]}; controls {controls_commit})"] = scale_rows
         plot = plot_regime(studies, out)
     print(text + f"\nwritten: {os.path.join(out, stem + '.md')}, {stem}.json, {plot}")
     return 0

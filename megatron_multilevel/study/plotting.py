@@ -2,6 +2,8 @@
 
 import os
 
+from megatron_multilevel.study.savings import best_multilevel, control_verdict
+
 X_AXES = {
     "global_step": ("steps", "global step"),
     "flops": ("flops", "training FLOPs"),
@@ -198,10 +200,8 @@ def plot_regime(studies: dict[str, list[dict]], out_dir: str) -> str:
                 else:
                     xs.append(x)
                     ys.append(100 * r["methods"][best]["equal_quality"]["median"])
-                control = [m["smaller_model_suffices"] for m in r["methods"].values()
-                           if m.get("smaller_model_suffices")]
-                if control:
-                    suffices = any(reached for reached, _ in control)
+                suffices = control_verdict(r)
+                if suffices is not None:
                     ax.plot([x], [0.0], "*" if suffices else "o", ms=11 if suffices else 8, color=color,
                             mfc=color if suffices else "none")
             ax.plot(xs, ys, "o-", color=color, lw=1.5, ms=5,
@@ -219,13 +219,3 @@ def plot_regime(studies: dict[str, list[dict]], out_dir: str) -> str:
     return _finish(plt, fig, ax, "tokens per parameter of the full model (embedding counted)",
                    "FLOPs saved at equal quality (%)", path)
 
-
-MULTILEVEL_FAMILIES = ("vcycle", "wcycle", "fcycle", "ode")
-
-
-def best_multilevel(row: dict) -> "str | None":
-    """The multilevel method (a cycle of this project, not stacking or a control) of a study row
-    with the highest median equal-quality FLOPs saving, or None where none has one."""
-    measured = [(m["equal_quality"]["median"], name) for name, m in row["methods"].items()
-                if m["family"] in MULTILEVEL_FAMILIES and m["equal_quality"]["median"] is not None]
-    return max(measured)[1] if measured else None

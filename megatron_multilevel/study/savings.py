@@ -173,3 +173,30 @@ def format_saving(s: dict) -> str:
     bound = f" (at least, in {s['at_least']} of them: the smallest budget reached it)" if s.get("at_least") else ""
     return (f"{100 * s['median']:.1f}% ({100 * s['min']:.1f} to {100 * s['max']:.1f}), "
             f"{s['reached']}/{s['n']}{bound}")
+
+
+MULTILEVEL_FAMILIES = ("vcycle", "wcycle", "fcycle", "ode")
+
+
+def best_multilevel(row: dict) -> Optional[str]:
+    """The multilevel method (a cycle of this project, not stacking or a control) of a study row
+    (:func:`study_rows`) with the highest median equal-quality FLOPs saving, or None where none has one."""
+    measured = [(m["equal_quality"]["median"], name) for name, m in row["methods"].items()
+                if m["family"] in MULTILEVEL_FAMILIES and m["equal_quality"]["median"] is not None]
+    return max(measured)[1] if measured else None
+
+
+def control_verdict(row: dict) -> Optional[bool]:
+    """Whether the smaller model suffices at a study row's point: its coarse model alone reached
+    the best scratch's final loss in some seed; None where no control was run there."""
+    controls = [m["smaller_model_suffices"] for m in row["methods"].values() if m.get("smaller_model_suffices")]
+    return any(reached for reached, _ in controls) if controls else None
+
+
+def with_controls(rows: list[dict], control_rows: list[dict]) -> list[dict]:
+    """A study's ``rows`` with the controls run later at its points (``control_rows``, matched by
+    model shape and budget) added to their methods, named ``<method> (control)``."""
+    later = {(r["shape"], r["steps"]): r["methods"] for r in control_rows}
+    return [{**r, "methods": {**r["methods"], **{
+        f"{name} (control)": m for name, m in later.get((r["shape"], r["steps"]), {}).items()
+        if m.get("smaller_model_suffices")}}} for r in rows]
