@@ -78,7 +78,8 @@ def load_source(path: str) -> Source:
     return Source(tensors, ckpt.model, ckpt.level, ckpt.sidecar["level_maps"],
                   {"kind": "deepspeed", "path": ckpt.path, "tag": ckpt.tag, "tensor_model_parallel_size": ckpt.tp,
                    "zero_stage": ckpt.zero_stage, "phase": state["phase"], "step": state["step"],
-                   "global_step": state["global_step"], **ode}, shards, tokenizer=run_tokenizer(ckpt.sidecar["config"], os.path.dirname(os.path.dirname(ckpt.path))))
+                   "global_step": state["global_step"], **ode}, shards,
+                  tokenizer=run_tokenizer(ckpt.sidecar["config"], os.path.dirname(os.path.dirname(ckpt.path))))
 
 
 def _require(ok: bool, what: str) -> None:

@@ -50,6 +50,6 @@ __all__ = [
     "valid_tp_sizes", "COALESCE_ONLY_KEYS", "STRATEGIES", "LevelConfig", "MultilevelConfig", "VisitConfig",
     "RESIDUAL_SCALES", "OdeConfig", "check_optimizer", "check_optimizers", "ParallelConfig",
     "check_sequence_parallel_supported", "resolve_sequence_parallel", "check_alpha", "check_positive",
-    "parse_dataclass", "to_dict", "OUR_KEYS", "RunConfig", "config_to_dict", "load_config", "match_optimizer_rate", "LRConfig",
-    "PhaseSpec", "TrainingConfig",
+    "parse_dataclass", "to_dict", "OUR_KEYS", "RunConfig", "config_to_dict", "load_config", "match_optimizer_rate",
+    "LRConfig", "PhaseSpec", "TrainingConfig",
 ]

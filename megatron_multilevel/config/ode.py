@@ -90,7 +90,8 @@ class OdeConfig:
             check_positive(f"multilevel.ode.{name}", getattr(self, name))
         if self.coherence_batches > self.coarse_steps:
             raise ValueError(f"multilevel.ode.coherence_batches ({self.coherence_batches}) must not exceed "
-                             f"multilevel.ode.coarse_steps ({self.coarse_steps}): it averages the coarse phase's batches")
+                             f"multilevel.ode.coarse_steps ({self.coarse_steps}): it averages the coarse "
+                             f"phase's batches")
 
     def phase_specs(self) -> list[PhaseSpec]:
         """``pre``, ``coarse``, ``post`` per cycle, then ``final``; empty fine phases only where the

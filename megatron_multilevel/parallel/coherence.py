@@ -2,8 +2,8 @@
 
 At restriction the trainer computes ``v = P^T grad L_fine(theta) - grad L_coarse(R theta)`` on one
 global batch (:func:`step_gradients` on each model, the restriction of the fine gradient being the
-adjoint of the prolongation, the pure ``ode_operators.restrict_gradient``) and installs a :class:`CoherenceHook` that adds ``v`` to every
-gradient of the coarse model for the rest of its phase. Every rank holds ``v`` for its own
+adjoint of the prolongation, the pure ``ode_operators.restrict_gradient``) and installs a
+:class:`CoherenceHook` that adds ``v`` to every gradient of the coarse model for the rest of its phase. Every rank holds ``v`` for its own
 tensor-parallel shards (whole over data-parallel ranks, ZeRO-3 included); on disk it is kept as
 full tensors beside the checkpoints of the coarse phase, so that a resume at another layout reads it.
 """
