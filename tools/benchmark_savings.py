@@ -30,6 +30,7 @@ every kept run made by the same code and only runs what is missing, and the repo
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -128,6 +129,7 @@ def fine_lr(args) -> float:
 
 
 def variants(args, base: dict) -> dict[str, dict]:
+    from megatron_multilevel.study.savings import MULTILEVEL_FAMILIES
     from megatron_multilevel.study.variants import variant_configs
 
     size = SIZES[args.size]
@@ -156,7 +158,7 @@ def variants(args, base: dict) -> dict[str, dict]:
     main = methods()
     for name in args.methods:
         out[name] = main[name]
-    cycles = [name for name in args.methods if not name.startswith(("stacking", "coarse", "gstack"))] or ["vcycle2"]
+    cycles = [name for name in args.methods if family(name) in MULTILEVEL_FAMILIES] or ["vcycle2"]
     sweeps = [("alpha", a, dict(alpha=a)) for a in args.alpha[1:]]
     sweeps += [("ea", e, dict(ea=e)) for e in args.ea[1:]]
     sweeps += [("coarse", c, dict(coarse_share=c)) for c in args.coarse_share[1:]]
@@ -389,13 +391,8 @@ def best_scratch(results: list[dict]) -> str:
             finals.setdefault(r["method"], {})[r["seed"]] = r["totals"]["final_valid_loss"]
     assert finals, "no run of training from scratch at the full budget"
     most = max(len(by_seed) for by_seed in finals.values())
-
-    def median(values):
-        values = sorted(values)
-        return (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
-
     return min((name for name, by_seed in finals.items() if len(by_seed) == most),
-               key=lambda name: (median(finals[name].values()), name))
+               key=lambda name: (statistics.median(finals[name].values()), name))
 
 
 def family(name: str) -> str:
