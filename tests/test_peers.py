@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import VARIANTS, random_state_dict, small_config
 from megatron_multilevel.config import load_config
-from megatron_multilevel.level_maps import run_level_maps
+from megatron_multilevel.level_maps import make_level_map, run_level_maps
 from megatron_multilevel.operators import decoalesce
 from megatron_multilevel.plan import layer_prefix
 from megatron_multilevel.study.variants import compress, gstack_growth_tokens, variant_configs
+from megatron_multilevel.training.growth_mask import growth_mask, grown_layers, transformer_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,3 +97,101 @@ def test_gstack_budget_and_schedule():
         with pytest.raises(ValueError, match=message):
             variant_configs(base, steps=1000, fine_lr=1e-3, methods=["gstack"], **bad)
     assert math.isclose(ratio, 0.25, rel_tol=0.5)  # a quarter of the layers, plus the output layer's share
+
+
+# ---------------------------------------------------------------- MSG: masked layer growth
+def _logits(model, cfg, tokens):
+    from megatron_multilevel.models import model_logits
+
+    with torch.no_grad():
+        return model_logits(model, cfg, tokens).float()
+
+
+@pytest.mark.usefixtures("dist_single")
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("pairing", ["halves", "adjacent"])
+def test_msg_mask_makes_depth_growth_function_preserving(variant, pairing):
+    """Grown by plain copies (depth_scaling none), the full model computes another function than the
+    small one; with the layers growth added masked at 0 it computes the small one (1e-5, fp32), at 1
+    the unmasked full model exactly, and in between neither."""
+    from megatron_multilevel.models import build_model, load_parameters
+
+    cfg = small_config(variant)
+    lm = make_level_map(cfg, width=False, depth_pairing=pairing, depth_scaling="none")
+    coarse = random_state_dict(lm.coarse, seed=21)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.max_sequence_length), generator=torch.Generator().manual_seed(3))
+    small = build_model(lm.coarse)
+    load_parameters(small, coarse)
+    small.eval()
+    want = _logits(small, lm.coarse, tokens)
+    model = build_model(cfg)
+    load_parameters(model, decoalesce(coarse, lm))
+    model.eval()
+    plain = _logits(model, cfg, tokens)
+    assert want.abs().max() > 0.1 and (plain - want).abs().max() > 1e-3
+    mask = growth_mask(model, lm, steps=4)
+    assert mask.at(0) == 0.0
+    assert (_logits(model, cfg, tokens) - want).abs().max().item() < 1e-5
+    assert mask.at(2) == 0.5
+    half = _logits(model, cfg, tokens)
+    assert min((half - want).abs().max(), (half - plain).abs().max()) > 1e-4
+    assert mask.at(4) == 1.0 and mask.at(9) == 1.0
+    assert torch.equal(_logits(model, cfg, tokens), plain)
+    mask.at(0)
+    mask.remove()
+    assert torch.equal(_logits(model, cfg, tokens), plain)
+
+
+@pytest.mark.usefixtures("dist_single")
+def test_msg_mask_scales_the_new_layers_gradients():
+    """At 0 the layers growth added get no gradient (the others do); at 0.5 they do: the mask is on
+    their output, not on anything the kept layers compute."""
+    from megatron_multilevel.models import build_model, load_parameters, model_logits
+
+    cfg = small_config("gpt_tied")
+    lm = make_level_map(cfg, width=False, depth_pairing="halves", depth_scaling="none")
+    model = build_model(cfg)
+    load_parameters(model, decoalesce(random_state_dict(lm.coarse, seed=22), lm))
+    mask = growth_mask(model, lm, steps=2)
+    assert grown_layers(lm) == [2, 3]
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.max_sequence_length), generator=torch.Generator().manual_seed(4))
+
+    def grad_norms(value_step):
+        model.zero_grad()
+        mask.at(value_step)
+        model_logits(model, cfg, tokens).float().square().mean().backward()
+        return [sum(p.grad.norm().item() for p in layer.parameters() if p.grad is not None)
+                for layer in transformer_layers(model)]
+
+    at0 = grad_norms(0)
+    assert at0[2] == 0.0 and at0[3] == 0.0 and at0[0] > 0 and at0[1] > 0
+    assert all(g > 0 for g in grad_norms(1))
+    mask.remove()
+
+
+def test_msg_config_checks():
+    """growth_mask_steps: a non-negative integer, depth growth only, within the grown level's visit."""
+    made = variant_configs(_base(8), steps=1000, fine_lr=1e-3, methods=["msg", "stacking"], coarse_share=0.5,
+                           msg_mask_share=0.05)
+    ml = made["msg"]["multilevel"]
+    assert (ml["growth_mask_steps"], ml["depth_scaling"], ml["cycle"]) == (50, "none", "grow")
+    assert ml["levels"] == made["stacking"]["multilevel"]["levels"]  # stacking's schedule
+    assert load_config(made["msg"]).multilevel.growth_mask_steps == 50
+    after = ml["levels"][0]["steps_after"]
+    for change, message in (
+        ({"growth_mask_steps": -1}, "non-negative integer"),
+        ({"growth_mask_steps": 2.5}, "growth_mask_steps: expected an integer"),
+        ({"coalesce_width": True}, "coalesce_width false"),
+        ({"depth_scaling": "ode"}, r"\['none', 'identity'\]"),
+        ({"growth_mask_steps": after + 1}, f"longer than the {after} steps"),
+    ):
+        bad = json.loads(json.dumps(made["msg"]))
+        bad["multilevel"].update(change)
+        with pytest.raises(ValueError, match=message):
+            load_config(bad)
+    vcycle = variant_configs(_base(8), steps=1000, fine_lr=1e-3, methods=["vcycle2"], shape="depth")["vcycle2"]
+    vcycle["multilevel"]["growth_mask_steps"] = 5
+    with pytest.raises(ValueError, match="grows no level"):
+        load_config(vcycle)
+    with pytest.raises(ValueError, match="msg_mask_share"):
+        variant_configs(_base(8), steps=1000, fine_lr=1e-3, methods=["msg"], coarse_share=0.5, msg_mask_share=0.9)

@@ -439,3 +439,24 @@ def test_gstack_stacks_the_small_model_and_resumes_after_a_kill_while_growing(co
     assert {k for k in grown if k.startswith(layer + "1.")}  # two layers
     crashed = _crash_and_resume(tmp_path, corpus, "transition2", multilevel=GSTACK, training=KEEP_ALL)
     _assert_close_to_reference(crashed, {"dir": run}, **SAME_RUN)
+
+
+MSG = {"cycle": "grow", "num_levels": 2, "alpha": 1.0, "coalesce_width": False, "coalesce_depth": True,
+       "depth_pairing": "halves", "depth_scaling": "none", "growth_mask_steps": 4, "optimizer_state": "map",
+       "levels": [{"steps_after": 6, "lr_after": {"peak": 2e-3, "warmup_steps": 1}},
+                  {"steps_before": 5, "lr_before": {"peak": 2e-3, "warmup_steps": 2}}]}
+
+
+def test_msg_growth_keeps_the_small_models_loss_and_resumes_in_the_ramp(corpus, tmp_path):
+    """MSG's mask in a real run: the grown model's validation loss before its first step is the
+    small model's last one (the stacked copies masked out); a run killed while the mask ramps
+    (saved at global step 6, phase 1 step 1; killed at step 8) resumes on the uninterrupted run's losses."""
+    _ok(launch(_config(tmp_path, corpus, "reference", multilevel=MSG, training=KEEP_ALL)))
+    run = tmp_path / "reference"
+    valid = [(r["phase"], r["step"], r["loss"]) for r in records(run, "valid")]
+    small_end = [loss for phase, step, loss in valid if (phase, step) == (0, 5)]
+    grown_start = [loss for phase, step, loss in valid if (phase, step) == (1, 0)]
+    assert len(small_end) == len(grown_start) == 1
+    assert grown_start[0] == pytest.approx(small_end[0], rel=1e-6)
+    crashed = _crash_and_resume(tmp_path, corpus, "step8", multilevel=MSG, training=KEEP_ALL)
+    _assert_close_to_reference(crashed, {"dir": run}, **SAME_RUN)

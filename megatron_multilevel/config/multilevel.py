@@ -9,13 +9,13 @@ from megatron_multilevel.config.deepspeed import check_deepspeed_keys
 from megatron_multilevel.config.ode import OdeConfig
 from megatron_multilevel.config.parsing import check_alpha
 from megatron_multilevel.config.training import LRConfig, PhaseSpec
-from megatron_multilevel.cycles import visit_order
+from megatron_multilevel.cycles import arrivals, visit_order
 
 STRATEGIES = ("coalesce", "ode")
 # MultilevelConfig keys that only the coalesce strategy reads (keep_fine and enabled serve both).
 COALESCE_ONLY_KEYS = ("num_levels", "coalesce_width", "coalesce_depth", "width_pairing", "depth_pairing",
                       "depth_scaling", "alpha", "interpolation", "cycle", "levels", "optimizer_state",
-                      "perturbation_std")
+                      "perturbation_std", "growth_mask_steps")
 
 
 @dataclass
@@ -138,6 +138,14 @@ class MultilevelConfig:
     """Standard deviation of Gaussian noise added to every weight after de-coalescing and
     interpolation, relative to that weight's own standard deviation (breaks the symmetry of
     copied units; interpolation and dropout also do)."""
+    growth_mask_steps: int = 0
+    """Masked structural growth (MSG, Yao et al., ICLR 2024): after a level is grown (the first
+    arrival at it in an F- or grow cycle), the layers growth added (the second of every depth
+    group) mix their output with their input, ``h + m (layer(h) - h)``, ``m`` ramping linearly from
+    0 to 1 over this many steps: the grown model computes exactly the smaller one at growth, and
+    the new layers enter gradually. 0: no mask. Depth growth only, and within the grown level's
+    visit (the mask is not in the weights: a checkpoint written during the ramp computes the
+    masked function in the trainer only)."""
     keep_fine: Literal["memory", "cpu", "disk"] = "memory"
     """Where the fine model is kept for interpolation while coarser levels train: sharded on the
     device, in host memory, or on disk under the run directory."""
@@ -174,6 +182,7 @@ class MultilevelConfig:
             if self.levels[-1].steps_after:
                 raise ValueError("multilevel.levels[-1].steps_after must be 0: the coarsest level trains steps_before")
             self._check_visits()
+            self._check_growth_mask()
             if self.cycle == "grow":
                 for i, level in enumerate(self.levels[:-1]):
                     if level.steps_before:
@@ -183,6 +192,30 @@ class MultilevelConfig:
                             f"multilevel: cycle 'grow' has no model before coalescing to interpolate with; "
                             f"level {i} needs alpha 1.0, not {self.alpha_of(i)}"
                         )
+
+    def _check_growth_mask(self) -> None:
+        n = self.growth_mask_steps
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"multilevel.growth_mask_steps must be a non-negative integer, got {n!r}")
+        if not n:
+            return
+        if self.coalesce_width or not self.coalesce_depth:
+            raise ValueError("multilevel.growth_mask_steps masks the layers that depth growth adds; it needs "
+                             "coalesce_depth true and coalesce_width false")
+        if self.depth_scaling == "ode":
+            raise ValueError("multilevel.growth_mask_steps: depth_scaling 'ode' halves the kept layers' residual "
+                             "branches, so the masked model would not compute the smaller one; valid choices are "
+                             "['none', 'identity']")
+        grown = [spec for spec, how in zip(self.phase_specs(), arrivals(self.walk())) if how == "grow"]
+        if not grown:
+            raise ValueError(f"multilevel.growth_mask_steps: cycle {self.cycle!r} grows no level (only the first "
+                             f"arrival at a level of cycle 'f' or 'grow' does); set it to 0")
+        for spec in grown:
+            if spec.steps < n:
+                raise ValueError(
+                    f"multilevel.growth_mask_steps ({n}) is longer than the {spec.steps} steps of level "
+                    f"{spec.level}'s visit after growth: the mask must reach 1 before the model leaves the level"
+                )
 
     def _check_ode_keys(self) -> None:
         defaults = MultilevelConfig()

@@ -97,7 +97,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
                     fcycle_revisit: float = 0.25, optimizer_state: str = "reset",
                     after_lr_factor: float = 1.0, ode: "dict | None" = None, lr_schedule: str = "restart",
                     interpolation: str = "blend", gstack_factor: int = 4, gstack_share: "float | None" = None,
-                    methods: "Sequence[str] | None" = None) -> dict[str, dict]:
+                    msg_mask_share: float = 0.05, methods: "Sequence[str] | None" = None) -> dict[str, dict]:
     """Configs of the compared methods: training from scratch for ``steps`` global batches, and
     each other method within the same budget: the same training FLOPs (``budget="flops"``: the
     cheaper steps of coarse levels buy more steps at the fine level) or the same tokens
@@ -130,6 +130,12 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
       the small one: halves-stacking, done twice at once for 4, plain copies), the rest at full
       depth with the optimizer and the schedule restarted, as published (``optimizer_state``,
       ``lr_schedule`` and ``after_warmup`` give it the recipe's levers);
+    - ``msg``: MSG's layer growth (Yao et al., ICLR 2024): ``stacking``'s schedule, the stacked
+      copies masked in (``multilevel.growth_mask_steps``) over ``msg_mask_share`` of the steps, so
+      that the grown model computes the small one at growth (``depth_scaling`` none: plain copies,
+      as MSG's code makes them; with ``optimizer_state`` map and ``lr_schedule`` continue the old
+      layers keep their moments and the run one schedule, as published, but the new layers get
+      copied moments where MSG starts them at zero);
     - ``ode2``: the multilevel ODE strategy (Lauga et al.): ``ode_cycles`` cycles (default 4) of
       ``ea / 2`` of the steps at the fine level, ``coarse_share / ode_cycles`` at the coarse model
       of every other layer (at the fine rate: it is as wide) and ``ea / 2`` at the fine level
@@ -212,18 +218,24 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
         _level(ea_steps, coarse_lr, steps_after=middle_up, after_peak=coarse_lr, after_warmup=after_warmup),
         _level(coarsest, coarse_lr * narrower),
     ]})
-    def grow(levels: list[dict]) -> dict:
+    def grow(levels: list[dict], **change) -> dict:
         """Progressive stacking over ``levels`` (finest first): depth only, at the fine rate."""
         return config({
             "enabled": True, "cycle": "grow", "num_levels": len(levels), "alpha": 1.0, "coalesce_width": False,
             "coalesce_depth": True, "depth_pairing": "halves", "depth_scaling": depth_scaling,
-            "optimizer_state": optimizer_state, "lr_schedule": lr_schedule, "levels": levels})
+            "optimizer_state": optimizer_state, "lr_schedule": lr_schedule, "levels": levels, **change})
 
     stack_after = steps - coarse if budget == "tokens" else int(steps - coarse * r_stack[1])
-    stacking = grow([
+    stacking_levels = [
         _level(0, fine_lr, steps_after=stack_after, after_peak=after_lr, after_warmup=after_warmup),
         _level(coarse, fine_lr, warmup=warmup),
-    ])
+    ]
+    stacking = grow(stacking_levels)
+    mask_steps = max(1, round(msg_mask_share * steps))
+    if (methods is None or "msg" in methods) and not (msg_mask_share > 0 and mask_steps <= stack_after):
+        raise ValueError(f"invalid msg_mask_share {msg_mask_share!r}: it must be in (0, {stack_after / steps:.3g}], "
+                         f"within the {stack_after} steps after growth")
+    msg = grow(stacking_levels, depth_scaling="none", growth_mask_steps=mask_steps)
     # three-stage stacking (as Gong et al. grow BERT 3 -> 6 -> 12 layers): a quarter-depth model
     # from scratch for half the coarse steps, stacked to half depth for the other half, then to full
     r3_stack = _flops_ratios(base, {"num_levels": 3, "coalesce_width": False, "coalesce_depth": True})
@@ -261,7 +273,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     out = {"scratch": scratch, "coarse": _coarse_alone(scratch, steps if budget == "tokens" else int(steps / r2[1]),
                                                        coarse_lr, shape),
            "vcycle2": vcycle2, "vcycle3": vcycle3, "wcycle2": wcycle2, "fcycle2": fcycle2,
-           "stacking": stacking, "stacking3": stacking3, "gstack": gstack}
+           "stacking": stacking, "stacking3": stacking3, "gstack": gstack, "msg": msg}
     if methods is None or "ode2" in methods:
         out["ode2"] = _ode_variant(steps, fine_lr, ea=ea, coarse_share=coarse_share, budget=budget, r=r_stack[1],
                                    warmup=warmup, ode=ode, lr_schedule=lr_schedule, config=config)
