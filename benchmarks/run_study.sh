@@ -147,9 +147,13 @@ POINTS[long-8x64-8600]="--size cpu-8x64 --steps 8600"   # 436,864 parameters, 20
 # under the best scratch), the point shows nothing about multilevel training: further out, the
 # controls first, and the schedules only where the full model beats the smaller one. At 81 tokens
 # per parameter it does (1.4612 against the coarse model's 1.4965): the schedules follow, the
-# share first, then the controls' other rates, then every seed and fraction.
+# share first, then the controls' other rates, then every seed and fraction. The recipe's 80%
+# share (about two thirds of the FLOPs at the coarse level, both visits) ends 0.038 above scratch
+# here: shorter first visits next, for the F-cycle and for one growth with the same levers.
 LONG_CONTROLS=(
   "once: --recipe --methods coarse --scratch-lr 0.002 0.004 --fractions 1.0"
+  "once: --recipe --coarse-share 0.8 0.2 0.1 --fractions 1.0"
+  "once: --methods stacking --depth-scaling identity --coarse-share 0.2 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-share0.2 --fractions 1.0"
   "once: --recipe --coarse-share 0.8 0.5 0.65 --fractions 1.0"
   "once: --methods stacking --depth-scaling identity --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue --fractions 1.0"
   "once: --methods stacking --depth-scaling ode --fractions 1.0"
@@ -169,8 +173,32 @@ for point in "${ORDER[@]}"; do
   CONTROL_POINTS+=("ctl-${point#cpu-}")
 done
 
+# The peers (docs/benchmarks.md, "The peers"): the published growth methods beside the recipe on
+# the headline point's data and budget, one pin for all of them (its own STUDY_COMMIT), two seeds.
+# The baseline tuned (scratch at half, one and twice the size's rate), the control, then every
+# method at the full budget, then the budget fractions of the equal-quality measure. G_stack as
+# published (a quarter-depth model, AdamW and the schedule restarted), for 10% of the steps: its
+# growth-timing rule gives 6.8% of the tokens for 7B parameters on 300B (and more than the whole
+# budget at this size); MSG with stacking's share and levers, the copies masked in over 5%.
+STACK_LEVERS="--methods stacking --depth-scaling identity --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue"
+MSG="--methods msg --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --msg-mask-share 0.05"
+GSTACK="--methods gstack --gstack-factor 4 --gstack-share 0.1"
+PEERS=(
+  "--recipe --methods coarse --scratch-lr 0.0005 0.001 0.002 --fractions 1.0"
+  "--recipe --fractions 1.0"
+  "$STACK_LEVERS --fractions 1.0"
+  "$GSTACK --fractions 1.0"
+  "$MSG --fractions 1.0"
+  "--recipe --fractions 0.6 0.8"
+  "$STACK_LEVERS --fractions 0.6 0.8"
+  "$GSTACK --fractions 0.6 0.8"
+  "$MSG --fractions 0.6 0.8"
+)
+POINTS[peers-8x256-480]="--size cpu --steps 480"
+
 recipes_of() {  # the recipe lines of a point
   case "$1" in
+    peers-*) printf '%s\n' "${PEERS[@]}" ;;
     ablation-8x256-480-b582310) printf '%s\n' "${ABLATION_B582310[@]}" ;;
     ablation-*) printf '%s\n' "${ABLATION[@]}" ;;
     long-4x64-18800) printf '%s\n' "${LONG_CONTROLS[@]}" ;;
@@ -186,7 +214,7 @@ if [[ "${1:-}" == "--seeds" ]]; then
 fi
 if [[ "${1:-}" == "--list" ]]; then
   for point in "${ORDER[@]}" ablation-8x256-480 ablation-8x256-480-b582310 "${LONG_POINTS[@]}" \
-      "${CONTROL_POINTS[@]}"; do
+      "${CONTROL_POINTS[@]}" peers-8x256-480; do
     while IFS= read -r recipe; do
       echo "$point: ${POINTS[$point]} $recipe (seeds 1234 to $((1233 + ${SEEDS[$point]:-2})))"
     done < <(recipes_of "$point")
