@@ -447,16 +447,60 @@ MSG = {"cycle": "grow", "num_levels": 2, "alpha": 1.0, "coalesce_width": False, 
                   {"steps_before": 5, "lr_before": {"peak": 2e-3, "warmup_steps": 2}}]}
 
 
-def test_msg_growth_keeps_the_small_models_loss_and_resumes_in_the_ramp(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def msg_reference(tmp_path_factory, corpus):
+    """An uninterrupted one-process MSG run (grow cycle, the stacked layers masked in over 4 steps)."""
+    tmp = tmp_path_factory.mktemp("msg_reference")
+    _ok(launch(_config(tmp, corpus, "run", multilevel=MSG, training=KEEP_ALL)))
+    return {"dir": tmp / "run"}
+
+
+def test_msg_growth_keeps_the_small_models_loss_and_resumes_in_the_ramp(msg_reference, corpus, tmp_path):
     """MSG's mask in a real run: the grown model's validation loss before its first step is the
     small model's last one (the stacked copies masked out); a run killed while the mask ramps
     (saved at global step 6, phase 1 step 1; killed at step 8) resumes on the uninterrupted run's losses."""
-    _ok(launch(_config(tmp_path, corpus, "reference", multilevel=MSG, training=KEEP_ALL)))
-    run = tmp_path / "reference"
-    valid = [(r["phase"], r["step"], r["loss"]) for r in records(run, "valid")]
+    valid = [(r["phase"], r["step"], r["loss"]) for r in records(msg_reference["dir"], "valid")]
     small_end = [loss for phase, step, loss in valid if (phase, step) == (0, 5)]
     grown_start = [loss for phase, step, loss in valid if (phase, step) == (1, 0)]
     assert len(small_end) == len(grown_start) == 1
     assert grown_start[0] == pytest.approx(small_end[0], rel=1e-6)
     crashed = _crash_and_resume(tmp_path, corpus, "step8", multilevel=MSG, training=KEEP_ALL)
-    _assert_close_to_reference(crashed, {"dir": run}, **SAME_RUN)
+    _assert_close_to_reference(crashed, msg_reference, **SAME_RUN)
+
+
+def _peer_layouts(multilevel: dict, fine: dict) -> dict:
+    """``multilevel`` with the fine level in layout ``fine`` and every coarser level at DP=2 under
+    ZeRO-2 (a level that starts the run starts from the one-process initialisation in any layout
+    but ZeRO-3, whose zero.Init draws the parameters Megatron initialises after construction anew)."""
+    levels = json.loads(json.dumps(multilevel["levels"]))
+    levels[0].update(fine)
+    for level in levels[1:]:
+        level.update(tensor_model_parallel_size=1, deepspeed={"zero_optimization": {"stage": 2}})
+    return {**multilevel, "levels": levels}
+
+
+TP2_ZERO1 = {"tensor_model_parallel_size": 2, "deepspeed": {"zero_optimization": {"stage": 1}}}
+DP2_ZERO3 = {"tensor_model_parallel_size": 1, "deepspeed": {"zero_optimization": {"stage": 3}}}
+
+
+@pytest.mark.parametrize("fine", [pytest.param(TP2_ZERO1, id="tp2"),
+                                  pytest.param(DP2_ZERO3, id="zero3", marks=pytest.mark.slow)])
+def test_msg_in_two_layouts_is_the_one_process_run(msg_reference, corpus, tmp_path, fine):
+    """MSG grown from the small model at DP=2 (ZeRO-2) into the full one at TP=2 (the mask on each
+    rank's replicated hidden states) or at DP=2 under ZeRO-3 (the layers stacked into partitioned
+    parameters): the one-process run."""
+    config = _config(tmp_path, corpus, "run", multilevel=_peer_layouts(MSG, fine), training=KEEP_ALL)
+    _ok(launch(config, "--num_procs", 2))
+    _assert_close_to_reference(tmp_path / "run", msg_reference, abs=2e-4)
+
+
+@pytest.mark.slow
+def test_gstack_in_two_layouts_is_the_one_process_run(corpus, tmp_path):
+    """G_stack (three levels) from the quarter-depth model at DP=2 (ZeRO-2), through the empty
+    half-depth level at DP=2 under ZeRO-3, to the full model at TP=2: the one-process run."""
+    _ok(launch(_config(tmp_path, corpus, "reference", multilevel=GSTACK, training=KEEP_ALL)))
+    layouts = _peer_layouts(GSTACK, TP2_ZERO1)
+    layouts["levels"][1].update(DP2_ZERO3)
+    config = _config(tmp_path, corpus, "run", multilevel=layouts, training=KEEP_ALL)
+    _ok(launch(config, "--num_procs", 2))
+    _assert_close_to_reference(tmp_path / "run", {"dir": tmp_path / "reference"}, abs=2e-4)
