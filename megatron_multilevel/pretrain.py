@@ -94,6 +94,7 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore", category=UserWarning)
     from megatron_multilevel.distributed import init_distributed
+    from megatron_multilevel.training.checkpoint import CheckpointError
     from megatron_multilevel.training.trainer import Trainer, TrainingError
 
     try:
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
         Trainer(cfg).run()
         if baseline is not None:
             run_baseline(cfg, baseline)
-    except (ValueError, TrainingError) as e:
+    except (ValueError, TrainingError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

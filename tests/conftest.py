@@ -57,3 +57,21 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict:
     model = build_model(cfg)
     gen = torch.Generator().manual_seed(seed + 1)
     return {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in parameter_state_dict(model).items()}
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """The test corpus prepared as GPT and BERT datasets with one tokenizer (a module may make its own)."""
+    from launch_helpers import prepare_corpus
+
+    return prepare_corpus(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, corpus):
+    """An uninterrupted one-process GPT V-cycle: what every other layout and resume must match."""
+    from launch_helpers import KEEP_ALL, launch, ok, run_config
+
+    tmp = tmp_path_factory.mktemp("reference")
+    result = ok(launch(run_config(tmp, corpus, "run", training=KEEP_ALL)))
+    return {"dir": tmp / "run", "stdout": result.stdout}

@@ -120,3 +120,40 @@ def module_states(tag_dir: Path) -> dict:
     (path,) = tag_dir.glob("mp_rank_00_model_states.pt")
     module = torch.load(path, map_location="cpu", weights_only=False)["module"]
     return {k: v.float() for k, v in module.items() if not k.endswith("_extra_state")}
+
+
+# every checkpoint of a run kept, to compare runs tag by tag
+KEEP_ALL = {"keep_checkpoints": 100}
+# a resumed run against the uninterrupted one: the same arithmetic, up to float rounding
+SAME_RUN = dict(rel=1e-5)
+
+
+def prepare_corpus(tmp: Path) -> dict:
+    """The test corpus prepared as GPT and BERT datasets with one tokenizer, under ``tmp``."""
+    inputs = make_corpus(tmp / "corpus")
+    gpt = preprocess(inputs, tmp / "gpt")
+    assert gpt.returncode == 0, gpt.stderr
+    bert = preprocess(inputs, tmp / "bert", split_sentences=True, tokenizer_model=str(tmp / "gpt.model"))
+    assert bert.returncode == 0, bert.stderr
+    return {"gpt": str(tmp / "gpt"), "bert": str(tmp / "bert"), "model": str(tmp / "gpt.model"), "inputs": inputs}
+
+
+def run_config(tmp_path: Path, corpus: dict, name: str, kind: str = "gpt", **blocks) -> Path:
+    """``small_config`` of run ``name`` under ``tmp_path`` on the prepared corpus."""
+    return small_config(tmp_path / f"{name}.json", kind=kind, prefix=corpus[kind], tokenizer_model=corpus["model"],
+                        output_dir=tmp_path / name, **blocks)
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def assert_close_to_reference(run: Path, reference: dict, **tol) -> None:
+    """The train and valid losses of ``run``, record by record, against ``reference["dir"]``'s."""
+    import pytest
+
+    ours, ref = losses(run), losses(reference["dir"])
+    assert [r[:2] for r in ours] == [r[:2] for r in ref]
+    for a, b in zip(ours, ref):
+        assert a[2] == pytest.approx(b[2], **tol), (a, b)

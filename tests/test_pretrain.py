@@ -12,41 +12,8 @@ import sys
 import pytest
 import torch
 
-from launch_helpers import ROOT, launch, losses, make_corpus, module_states, preprocess, records, small_config
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """The test corpus prepared as GPT and BERT datasets with one tokenizer."""
-    tmp = tmp_path_factory.mktemp("data")
-    inputs = make_corpus(tmp / "corpus")
-    gpt = preprocess(inputs, tmp / "gpt")
-    assert gpt.returncode == 0, gpt.stderr
-    bert = preprocess(inputs, tmp / "bert", split_sentences=True, tokenizer_model=str(tmp / "gpt.model"))
-    assert bert.returncode == 0, bert.stderr
-    return {"gpt": str(tmp / "gpt"), "bert": str(tmp / "bert"), "model": str(tmp / "gpt.model"), "inputs": inputs}
-
-
-def _config(tmp_path, corpus, name, kind="gpt", **blocks):
-    return small_config(tmp_path / f"{name}.json", kind=kind, prefix=corpus[kind], tokenizer_model=corpus["model"],
-                        output_dir=tmp_path / name, **blocks)
-
-
-# every checkpoint of a run kept, to compare runs tag by tag
-KEEP_ALL = {"keep_checkpoints": 100}
-
-
-def _ok(result):
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus):
-    """An uninterrupted one-process GPT V-cycle: what every other layout and resume must match."""
-    tmp = tmp_path_factory.mktemp("reference")
-    result = _ok(launch(_config(tmp, corpus, "run", training=KEEP_ALL)))
-    return {"dir": tmp / "run", "stdout": result.stdout}
+from launch_helpers import (KEEP_ALL, ROOT, SAME_RUN, assert_close_to_reference, launch, module_states, ok, preprocess,
+                            records, run_config)
 
 
 def test_data_pipeline(corpus, tmp_path):
@@ -99,10 +66,10 @@ def test_one_process_v_cycle(reference):
 
 
 def _crash_and_resume(tmp_path, corpus, crash_at, **blocks):
-    config = _config(tmp_path, corpus, "run", **blocks)
+    config = run_config(tmp_path, corpus, "run", **blocks)
     crashed = launch(config, env={"MEGATRON_MULTILEVEL_CRASH_AT": crash_at})
     assert crashed.returncode != 0
-    resumed = _ok(launch(config))
+    resumed = ok(launch(config))
     assert "resuming from" in resumed.stdout
     return tmp_path / "run"
 
@@ -123,7 +90,7 @@ def _crash_and_resume(tmp_path, corpus, crash_at, **blocks):
 def test_resume_after_kill_follows_the_same_trajectory(reference, corpus, tmp_path, crash_at, resumed_phase):
     run = _crash_and_resume(tmp_path, corpus, crash_at)
     assert [r["phase"] for r in records(run, "resume")] == [resumed_phase]
-    _assert_close_to_reference(run, reference, **SAME_RUN)
+    assert_close_to_reference(run, reference, **SAME_RUN)
     assert json.loads((run / "summary.json").read_text())["phases"][-1]["valid_loss"] == pytest.approx(
         json.loads((reference["dir"] / "summary.json").read_text())["phases"][-1]["valid_loss"], **SAME_RUN
     )
@@ -133,21 +100,11 @@ def test_resume_after_kill_follows_the_same_trajectory(reference, corpus, tmp_pa
 # relative, in phases before any kill, as in test_first_hour); a resume that lost any state (data
 # position, RNG, optimizer, schedule) moves them by orders of magnitude more. SAME_RUN is the
 # relative tolerance of a resumed run against the uninterrupted one in the same layout.
-SAME_RUN = dict(rel=1e-5)
-
-
-def _assert_close_to_reference(run, reference, **tol):
-    ours, ref = losses(run), losses(reference["dir"])
-    assert [r[:2] for r in ours] == [r[:2] for r in ref]
-    for a, b in zip(ours, ref):
-        assert a[2] == pytest.approx(b[2], **tol), (a, b)
-
-
 @pytest.fixture(scope="module")
 def w_reference(tmp_path_factory, corpus):
     """An uninterrupted one-process GPT W-cycle over 2 levels: what its resumes must match."""
     tmp = tmp_path_factory.mktemp("w_reference")
-    result = _ok(launch(_config(tmp, corpus, "run", multilevel={"cycle": "w"})))
+    result = ok(launch(run_config(tmp, corpus, "run", multilevel={"cycle": "w"})))
     return {"dir": tmp / "run", "stdout": result.stdout}
 
 
@@ -177,7 +134,7 @@ def test_w_cycle_resume_after_kill(w_reference, corpus, tmp_path, crash_at):
     the resume rebuilds level 0 as it was before its second coalescing (phase 2), not its first."""
     run = _crash_and_resume(tmp_path, corpus, crash_at, multilevel={"cycle": "w"})
     assert [r["phase"] for r in records(run, "resume")] == [3]
-    _assert_close_to_reference(run, w_reference, **SAME_RUN)
+    assert_close_to_reference(run, w_reference, **SAME_RUN)
     assert json.loads((run / "summary.json").read_text())["phases"][-1]["valid_loss"] == pytest.approx(
         json.loads((w_reference["dir"] / "summary.json").read_text())["phases"][-1]["valid_loss"], **SAME_RUN
     )
@@ -189,10 +146,10 @@ def test_f_cycle(corpus, tmp_path):
     schedule over the run (``lr_schedule = "continue"``): the rate each step applied, as the
     optimizer held it, is the run-wide cosine at each level's peak, with the fine level's warm-ups
     as re-warm-ups."""
-    config = _config(tmp_path, corpus, "run", multilevel={"cycle": "f", "optimizer_state": "map",
+    config = run_config(tmp_path, corpus, "run", multilevel={"cycle": "f", "optimizer_state": "map",
                                                           "lr_schedule": "continue"},
                      training={"log_interval": 1})
-    out = _ok(launch(config)).stdout
+    out = ok(launch(config)).stdout
     phases = json.loads((tmp_path / "run" / "summary.json").read_text())["phases"]
     assert [p["level"] for p in phases] == [1, 0, 1, 0]
     assert [p["steps"] for p in phases] == [5, 3, 5, 5]
@@ -212,14 +169,14 @@ def test_f_cycle(corpus, tmp_path):
 
 def test_two_processes_with_changing_layouts(reference, corpus, tmp_path):
     """Level 0 at TP=2 with ZeRO-1, level 1 at DP=2 with ZeRO-3: the same run as one process."""
-    levels = json.loads(_config(tmp_path, corpus, "tmp").read_text())["multilevel"]["levels"]
+    levels = json.loads(run_config(tmp_path, corpus, "tmp").read_text())["multilevel"]["levels"]
     levels[0].update(tensor_model_parallel_size=2, deepspeed={"zero_optimization": {"stage": 1}})
     levels[1].update(tensor_model_parallel_size=1, deepspeed={"zero_optimization": {"stage": 3}})
-    config = _config(tmp_path, corpus, "run", multilevel={"levels": levels, "keep_fine": "disk"}, training=KEEP_ALL)
-    out = _ok(launch(config, "--num_procs", 2)).stdout
+    config = run_config(tmp_path, corpus, "run", multilevel={"levels": levels, "keep_fine": "disk"}, training=KEEP_ALL)
+    out = ok(launch(config, "--num_procs", 2)).stdout
     # each level's layout is said when the run starts (sequence parallelism stays off on CPU by default)
     assert re.search(r"on 2 rank\(s\); levels: \d+x\d+ \(TP 2\), \d+x\d+\n", out), out[:3000]
-    _assert_close_to_reference(tmp_path / "run", reference, abs=2e-4)
+    assert_close_to_reference(tmp_path / "run", reference, abs=2e-4)
     assert list((tmp_path / "run" / "snapshots" / "level0" / "params").glob("*.rank1.pt"))
     # consolidation (what to-full writes) against the one-process run's own weights, read from
     # its ZeRO-0 module states: level 1 at DP=2 ZeRO-3, level 0 at TP=2 ZeRO-1
@@ -244,18 +201,18 @@ BERT_MULTILEVEL = {"optimizer_state": "map"}
 def bert_reference(tmp_path_factory, corpus):
     """An uninterrupted one-process BERT V-cycle: what its TP=2 run and its export must match."""
     tmp = tmp_path_factory.mktemp("bert_reference")
-    _ok(launch(_config(tmp, corpus, "run", kind="bert", multilevel=BERT_MULTILEVEL)))
+    ok(launch(run_config(tmp, corpus, "run", kind="bert", multilevel=BERT_MULTILEVEL)))
     return {"dir": tmp / "run"}
 
 
 def test_bert_two_processes_tensor_parallel(bert_reference, corpus, tmp_path):
     """BERT at TP=2 on every level: the same run as one process, step by step."""
-    config = _config(tmp_path, corpus, "run", kind="bert", parallel={"tensor_model_parallel_size": 2},
+    config = run_config(tmp_path, corpus, "run", kind="bert", parallel={"tensor_model_parallel_size": 2},
                      multilevel=BERT_MULTILEVEL)
-    _ok(launch(config, "--num_procs", 2))
+    ok(launch(config, "--num_procs", 2))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert [p["level"] for p in summary["phases"]] == [0, 1, 0]
-    _assert_close_to_reference(tmp_path / "run", bert_reference, abs=2e-4)
+    assert_close_to_reference(tmp_path / "run", bert_reference, abs=2e-4)
     valid = records(tmp_path / "run", "valid")
     assert valid[-1]["loss"] < valid[0]["loss"]
 
@@ -272,7 +229,7 @@ def test_bert_to_hf_computes_the_megatron_models_logits(bert_reference, tmp_path
     export = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "to-hf", str(run),
                              str(tmp_path / "hf")], capture_output=True, text=True, timeout=600, cwd=ROOT,
                             env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    _ok(export)
+    ok(export)
     hf = MegatronBertForMaskedLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
     tag = (run / "checkpoints" / "latest").read_text().strip()
     cfg = load_source(str(run)).model  # its shape only: the weights come from DeepSpeed's file below
@@ -300,7 +257,7 @@ def test_a_copied_run_exports_with_its_own_tokenizer(reference, corpus, tmp_path
     export = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "to-hf", str(copy),
                              str(tmp_path / "hf")], capture_output=True, text=True, timeout=600, cwd=tmp_path,
                             env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    _ok(export)
+    ok(export)
     assert "without a tokenizer" not in export.stdout
     assert list((tmp_path / "hf").glob("tokenizer*")), sorted(p.name for p in (tmp_path / "hf").iterdir())
 
@@ -309,7 +266,7 @@ def test_two_nodes_on_localhost(reference, corpus, tmp_path):
     """Two "nodes" of one process each, started the DeepSpeed way without ssh."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
-    config = _config(tmp_path, corpus, "run")
+    config = run_config(tmp_path, corpus, "run")
     port = str(29700 + os.getpid() % 200)
     common = ["--hostfile", hostfile, "--no_ssh", "--master_addr", "127.0.0.1", "--master_port", port]
     env = {**os.environ, "PYTHON": sys.executable}
@@ -322,13 +279,13 @@ def test_two_nodes_on_localhost(reference, corpus, tmp_path):
     outputs = [p.communicate(timeout=600)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "on 2 rank(s)" in outputs[0]
-    _assert_close_to_reference(tmp_path / "run", reference, abs=2e-4)
+    assert_close_to_reference(tmp_path / "run", reference, abs=2e-4)
 
 
 def test_default_command_runs_the_embedded_corpus(tmp_path):
     """The README's main job (shortened): no config, the embedded default corpus."""
     # preparing the corpus (a tokenizer trained on it) takes most of the time: 5-10 minutes on 2 slow cores
-    result = _ok(launch(
+    result = ok(launch(
         f"training.output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}",
         "multilevel.levels.0.steps_before=2", "multilevel.levels.1.steps_before=2",
         "multilevel.levels.0.steps_after=2", "training.eval_batches=1", timeout=1800,
@@ -356,7 +313,7 @@ def _pretrain(config, *overrides):
     ],
 )
 def test_bad_input_fails_fast(corpus, tmp_path, overrides, message):
-    result = _pretrain(_config(tmp_path, corpus, "run"), *overrides)
+    result = _pretrain(run_config(tmp_path, corpus, "run"), *overrides)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -369,14 +326,14 @@ def test_corrupt_dataset_fails_with_one_line(corpus, tmp_path):
     shutil.copy(corpus["gpt"] + ".idx", tmp_path / "short.idx")
     (tmp_path / "short.bin").write_bytes(b"")
     for name in ("bad", "short"):
-        result = _pretrain(_config(tmp_path, corpus, "run"), f"data.prefix={tmp_path / name}")
+        result = _pretrain(run_config(tmp_path, corpus, "run"), f"data.prefix={tmp_path / name}")
         assert result.returncode == 1, result.stderr[-3000:]
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and "is not a valid Megatron indexed dataset" in lines[0], result.stderr[-3000:]
 
 
 def test_resume_refuses_another_model(reference, corpus, tmp_path):
-    result = _pretrain(_config(tmp_path, corpus, "run"), f"training.output_dir={reference['dir']}",
+    result = _pretrain(run_config(tmp_path, corpus, "run"), f"training.output_dir={reference['dir']}",
                        "model.hidden_size=128")
     assert result.returncode == 1 and "is from a different model (" in result.stderr
     assert "model.hidden_size" in result.stderr
@@ -385,19 +342,19 @@ def test_resume_refuses_another_model(reference, corpus, tmp_path):
 def test_resume_refuses_another_walk(reference, corpus, tmp_path):
     """The same steps per phase (3, 5, 5) over other levels (2, 1, 0 instead of 0, 1, 0)."""
     levels = [{"steps_after": 5}, {"steps_after": 5}, {"steps_before": 3}]
-    config = _config(tmp_path, corpus, "run", multilevel={"cycle": "grow", "num_levels": 3, "alpha": 1.0,
+    config = run_config(tmp_path, corpus, "run", multilevel={"cycle": "grow", "num_levels": 3, "alpha": 1.0,
                                                           "levels": levels})
     result = _pretrain(config, f"training.output_dir={reference['dir']}")
     assert result.returncode == 1 and "follows a different schedule" in result.stderr, result.stderr[-3000:]
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path):
-    config = _config(tmp_path, corpus, "run", training={
+    config = run_config(tmp_path, corpus, "run", training={
         "output_dir": str(tmp_path / "run"), "save_interval": 1, "log_interval": 1, "eval_interval": 100,
         "eval_batches": 1})
     levels = json.loads(config.read_text())["multilevel"]["levels"]
     levels[1]["lr_before"] = {"peak": 1e30}  # the coarse level blows up
-    config = _config(tmp_path, corpus, "run", training=json.loads(config.read_text())["training"],
+    config = run_config(tmp_path, corpus, "run", training=json.loads(config.read_text())["training"],
                      multilevel={"levels": levels})
     result = _pretrain(config)
     assert result.returncode == 1
@@ -424,7 +381,7 @@ def test_gstack_stacks_the_small_model_and_resumes_after_a_kill_while_growing(co
     """The walk 2, 1, 0 with no step at level 1; the model after the first growth (the checkpoint of
     the empty phase) is the small model's layer twice, read from the checkpoints' own files; a run
     killed during the second growth resumes on the uninterrupted run's losses."""
-    reference = _ok(launch(_config(tmp_path, corpus, "reference", multilevel=GSTACK, training=KEEP_ALL)))
+    reference = ok(launch(run_config(tmp_path, corpus, "reference", multilevel=GSTACK, training=KEEP_ALL)))
     run = tmp_path / "reference"
     phases = json.loads((run / "summary.json").read_text())["phases"]
     assert [(p["level"], p["steps"]) for p in phases] == [(2, 5), (1, 0), (0, 5)]
@@ -438,7 +395,7 @@ def test_gstack_stacks_the_small_model_and_resumes_after_a_kill_while_growing(co
         assert torch.equal(t, small[source]), name
     assert {k for k in grown if k.startswith(layer + "1.")}  # two layers
     crashed = _crash_and_resume(tmp_path, corpus, "transition2", multilevel=GSTACK, training=KEEP_ALL)
-    _assert_close_to_reference(crashed, {"dir": run}, **SAME_RUN)
+    assert_close_to_reference(crashed, {"dir": run}, **SAME_RUN)
 
 
 MSG = {"cycle": "grow", "num_levels": 2, "alpha": 1.0, "coalesce_width": False, "coalesce_depth": True,
@@ -451,7 +408,7 @@ MSG = {"cycle": "grow", "num_levels": 2, "alpha": 1.0, "coalesce_width": False, 
 def msg_reference(tmp_path_factory, corpus):
     """An uninterrupted one-process MSG run (grow cycle, the stacked layers masked in over 4 steps)."""
     tmp = tmp_path_factory.mktemp("msg_reference")
-    _ok(launch(_config(tmp, corpus, "run", multilevel=MSG, training=KEEP_ALL)))
+    ok(launch(run_config(tmp, corpus, "run", multilevel=MSG, training=KEEP_ALL)))
     return {"dir": tmp / "run"}
 
 
@@ -465,7 +422,7 @@ def test_msg_growth_keeps_the_small_models_loss_and_resumes_in_the_ramp(msg_refe
     assert len(small_end) == len(grown_start) == 1
     assert grown_start[0] == pytest.approx(small_end[0], rel=1e-6)
     crashed = _crash_and_resume(tmp_path, corpus, "step8", multilevel=MSG, training=KEEP_ALL)
-    _assert_close_to_reference(crashed, msg_reference, **SAME_RUN)
+    assert_close_to_reference(crashed, msg_reference, **SAME_RUN)
 
 
 def _peer_layouts(multilevel: dict, fine: dict) -> dict:
@@ -489,18 +446,18 @@ def test_msg_in_two_layouts_is_the_one_process_run(msg_reference, corpus, tmp_pa
     """MSG grown from the small model at DP=2 (ZeRO-2) into the full one at TP=2 (the mask on each
     rank's replicated hidden states) or at DP=2 under ZeRO-3 (the layers stacked into partitioned
     parameters): the one-process run."""
-    config = _config(tmp_path, corpus, "run", multilevel=_peer_layouts(MSG, fine), training=KEEP_ALL)
-    _ok(launch(config, "--num_procs", 2))
-    _assert_close_to_reference(tmp_path / "run", msg_reference, abs=2e-4)
+    config = run_config(tmp_path, corpus, "run", multilevel=_peer_layouts(MSG, fine), training=KEEP_ALL)
+    ok(launch(config, "--num_procs", 2))
+    assert_close_to_reference(tmp_path / "run", msg_reference, abs=2e-4)
 
 
 @pytest.mark.slow
 def test_gstack_in_two_layouts_is_the_one_process_run(corpus, tmp_path):
     """G_stack (three levels) from the quarter-depth model at DP=2 (ZeRO-2), through the empty
     half-depth level at DP=2 under ZeRO-3, to the full model at TP=2: the one-process run."""
-    _ok(launch(_config(tmp_path, corpus, "reference", multilevel=GSTACK, training=KEEP_ALL)))
+    ok(launch(run_config(tmp_path, corpus, "reference", multilevel=GSTACK, training=KEEP_ALL)))
     layouts = _peer_layouts(GSTACK, TP2_ZERO1)
     layouts["levels"][1].update(DP2_ZERO3)
-    config = _config(tmp_path, corpus, "run", multilevel=layouts, training=KEEP_ALL)
-    _ok(launch(config, "--num_procs", 2))
-    _assert_close_to_reference(tmp_path / "run", {"dir": tmp_path / "reference"}, abs=2e-4)
+    config = run_config(tmp_path, corpus, "run", multilevel=layouts, training=KEEP_ALL)
+    ok(launch(config, "--num_procs", 2))
+    assert_close_to_reference(tmp_path / "run", {"dir": tmp_path / "reference"}, abs=2e-4)

@@ -3,6 +3,7 @@
     python tools/inspect_checkpoint.py runs/gpt_tiny_cpu            # a run's latest checkpoint
     python tools/inspect_checkpoint.py runs/gpt_tiny_cpu/checkpoints/phase01-step0000100
     python tools/inspect_checkpoint.py out/gpt_full --json          # a consolidated checkpoint
+    python tools/inspect_checkpoint.py runs/gpt_tiny_cpu --verify   # its files against their sizes and checksums
 
 Safe on checkpoints from anywhere: DeepSpeed files are read with ``weights_only=True`` and an
 allowlist of the classes they hold; a file that asks for anything else is refused, nothing in it runs.
@@ -53,6 +54,32 @@ def describe(path: str) -> dict:
     }
 
 
+def verify(path: str) -> tuple[bool, str]:
+    """Whether the files of the run checkpoint at ``path`` (a checkpoint, or a run: its latest)
+    have the sizes and CRC-32 its sidecar recorded, and a line saying so."""
+    from megatron_multilevel.training import manifest
+    from megatron_multilevel.training.checkpoint import POINTER, SIDECAR, checkpoint_dir
+
+    pointer = os.path.join(checkpoint_dir(path), POINTER)
+    if os.path.exists(pointer):
+        with open(pointer) as f:
+            path = os.path.join(checkpoint_dir(path), f.read().strip())
+    sidecar = os.path.join(path, SIDECAR)
+    if not os.path.exists(sidecar):
+        raise ValueError(f"{path} is not a complete run checkpoint (no {SIDECAR}); --verify checks those")
+    try:
+        with open(sidecar) as f:
+            files = json.load(f).get("files")
+    except (OSError, json.JSONDecodeError) as e:
+        return False, f"{sidecar} is unreadable ({e})"
+    if files is None:
+        return True, f"{path}: written before checkpoints recorded their files; nothing to check"
+    problem = manifest.problem(path, files)
+    if problem:
+        return False, f"damaged: {problem}"
+    return True, f"{path}: {len(files)} files, {sum(size for size, _ in files.values()):,} bytes, all intact"
+
+
 def main(argv=None) -> int:
     from megatron_multilevel.compat import quiet_library_notices
 
@@ -60,7 +87,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print everything as JSON")
+    p.add_argument("--verify", action="store_true",
+                   help="check the checkpoint's files against the sizes and CRC-32 recorded when it was written "
+                        "(exit status 1 when one differs)")
     args = p.parse_args(argv)
+    if args.verify:
+        try:
+            ok, line = verify(args.path)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(line)
+        return 0 if ok else 1
     import warnings
 
     warnings.filterwarnings("ignore")

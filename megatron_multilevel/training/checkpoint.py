@@ -5,9 +5,14 @@
 global step), the level maps, where each coalesced level's pre-coalescing model is kept (the tag
 of its checkpoint), counters and the finished phases. ``<run>/checkpoints/latest`` names the last
 complete checkpoint and is replaced atomically after everything else is on disk, so a run killed
-at any moment resumes from a complete checkpoint.
+at any moment resumes from a complete checkpoint. The sidecar also records every file of the
+checkpoint with its size and CRC-32 (``manifest.py``): a resume checks them first and falls back
+to the previous complete checkpoint when a file is missing, truncated or altered. A save that
+fails (a full disk, a permission) removes what it wrote, leaves ``latest`` and the previous
+checkpoints as they were and ends the run with one line (``CheckpointError``).
 """
 
+import errno
 import json
 import os
 import re
@@ -17,6 +22,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_multilevel.training import manifest
 
 SIDECAR = "multilevel.json"
 POINTER = "latest"
@@ -53,6 +60,17 @@ def crash_point(where: str) -> None:
     the process right there with no cleanup at all, as a SIGKILL would."""
     if os.environ.get("MEGATRON_MULTILEVEL_CRASH_AT") == where:
         os._exit(137)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or no intact one is left to resume from."""
+
+
+def fault_point(where: str) -> None:
+    """Fault injection for the tests: ``MEGATRON_MULTILEVEL_FAIL_AT=<where>`` makes the write there
+    fail as a full disk does."""
+    if os.environ.get("MEGATRON_MULTILEVEL_FAIL_AT") == where:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def tag_of(phase: int, step: int) -> str:
@@ -103,42 +121,144 @@ def save(engine, run_dir: str, state: RunState, *, meta: dict,
     writes more files into the checkpoint before it is marked complete."""
     ckpt = checkpoint_dir(run_dir)
     tag = tag_of(state.phase, state.step)
+    directory = os.path.join(ckpt, tag)
     rank = dist.get_rank()
-    if rank == 0 and os.path.isdir(os.path.join(ckpt, tag)):
-        shutil.rmtree(os.path.join(ckpt, tag))  # leftovers of a save that was killed
+    if rank == 0 and os.path.isdir(directory):
+        shutil.rmtree(directory)  # leftovers of a save that was killed
     dist.barrier()
-    engine.save_checkpoint(ckpt, tag=tag, save_latest=False)
-    crash_point(f"save:{tag}")  # DeepSpeed's files written, ours not yet, the checkpoint not marked complete
-    torch.save(_rng_state(), os.path.join(ckpt, tag, f"rng_rank{rank}.pt"))
-    if extra is not None:
-        extra(os.path.join(ckpt, tag))
-    dist.barrier()
-    if rank == 0:
+
+    def write_files():
+        engine.save_checkpoint(ckpt, tag=tag, save_latest=False)
+        crash_point(f"save:{tag}")  # DeepSpeed's files written, ours not yet, the checkpoint not marked complete
+        fault_point(f"save:{tag}")
+        torch.save(_rng_state(), os.path.join(directory, f"rng_rank{rank}.pt"))
+        if extra is not None:
+            extra(directory)
+
+    _settle(_attempt(write_files), directory, ckpt)
+    files = _manifest(directory)
+
+    def mark_complete():
         sidecar = {"format": FORMAT_VERSION, "tag": tag, "world_size": dist.get_world_size(), **meta,
-                   "state": asdict(state)}
-        _atomic_write(os.path.join(ckpt, tag, SIDECAR), json.dumps(sidecar, indent=1))
+                   "state": asdict(state), "files": files}
+        _atomic_write(os.path.join(directory, SIDECAR), json.dumps(sidecar, indent=1))
         _atomic_write(os.path.join(ckpt, POINTER), tag)
-    dist.barrier()
+
+    _settle(_attempt(mark_complete) if rank == 0 else None, directory, ckpt)
     return tag
 
 
+def _attempt(write: Callable[[], None]) -> Optional[str]:
+    """Run ``write``; what made it fail, if the file system did."""
+    try:
+        write()
+    except OSError as e:
+        return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+    return None
+
+
+def _settle(failure: Optional[str], directory: str, ckpt: str) -> None:
+    """Every rank learns whether any rank's write failed (collective); if one did, the checkpoint's
+    directory is removed and every rank raises ``CheckpointError`` naming the checkpoint kept."""
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    failed = [f for f in failures if f is not None]
+    if not failed:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    dist.barrier()
+    pointer = os.path.join(ckpt, POINTER)
+    kept = open(pointer).read().strip() if os.path.exists(pointer) else None
+    raise CheckpointError(
+        f"checkpoint {directory} could not be written ({failed[0]}); "
+        + (f"the last complete checkpoint, {kept}, is kept: free space and run the same command to resume"
+           if kept else "no earlier checkpoint: the run starts afresh when run again")
+    )
+
+
+def _manifest(directory: str) -> dict:
+    """Every file of ``directory`` (but the sidecar) with its size and CRC-32, each rank
+    checksumming a share of them (collective; the ranks share the storage, as DeepSpeed's loading
+    assumes)."""
+    names = [manifest.list_files(directory, skip=(SIDECAR,)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    mine = manifest.entries(directory, names[0][dist.get_rank()::dist.get_world_size()])
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {name: entry for part in parts for name, entry in part.items()}
+
+
+def _read_sidecar(ckpt: str, tag: str) -> dict:
+    path = os.path.join(ckpt, tag, SIDECAR)
+    try:
+        with open(path) as f:
+            sidecar = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint {path} is unreadable ({e})") from None
+    if sidecar.get("format") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {path} has an unsupported format {sidecar.get('format')!r}")
+    return sidecar
+
+
+def _damage(ckpt: str, tag: str) -> Optional[str]:
+    """What is wrong with checkpoint ``tag`` and the checkpoints it needs (its open levels'), each
+    rank checking a share of the files (collective); None when they are intact (or written before
+    checkpoints recorded their files)."""
+    try:
+        sidecar = _read_sidecar(ckpt, tag)
+        needed = [(tag, sidecar)] + [(t, _read_sidecar(ckpt, t)) for t in sidecar["state"]["open_levels"].values()]
+    except ValueError as e:
+        found = str(e)
+    else:
+        found = None
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for t, side in needed:
+            files = side.get("files")
+            if files is not None:
+                found = manifest.problem(os.path.join(ckpt, t), files, sorted(files)[rank::world])
+            if found:
+                break
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, found)
+    return next((p for p in problems if p is not None), None)
+
+
+def read_resumable(run_dir: str, say: Callable[[str], None]) -> Optional[tuple[str, dict]]:
+    """``(tag, sidecar)`` of the newest intact complete checkpoint (collective), or None for a fresh
+    run. A damaged one is said in one line (``say``) and the one before it tried, down to the
+    oldest; with none intact, ``CheckpointError``."""
+    ckpt = checkpoint_dir(run_dir)
+    pointer = os.path.join(ckpt, POINTER)
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as f:
+        latest = f.read().strip()
+    older = sorted((t for t in os.listdir(ckpt) if re.fullmatch(r"phase\d+-step\d+", t) and t < latest
+                    and os.path.exists(os.path.join(ckpt, t, SIDECAR))), reverse=True)
+    for i, tag in enumerate([latest, *older]):
+        damage = _damage(ckpt, tag)
+        if damage is None:
+            return tag, _read_sidecar(ckpt, tag)
+        following = f"resuming from the one before, {older[i]}" if i < len(older) else "none is left"
+        say(f"checkpoint {tag} is damaged ({damage}); {following}")
+    raise CheckpointError(f"no intact checkpoint is left in {ckpt}: restore one, or remove the directory to "
+                          f"start afresh")
+
+
 def read_latest(run_dir: str) -> Optional[tuple[str, dict]]:
-    """``(tag, sidecar)`` of the last complete checkpoint, or None for a fresh run."""
+    """``(tag, sidecar)`` of the last complete checkpoint, or None for a fresh run (its files
+    unchecked: ``read_resumable`` checks them)."""
     ckpt = checkpoint_dir(run_dir)
     pointer = os.path.join(ckpt, POINTER)
     if not os.path.exists(pointer):
         return None
     with open(pointer) as f:
         tag = f.read().strip()
-    path = os.path.join(ckpt, tag, SIDECAR)
     try:
-        with open(path) as f:
-            sidecar = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint {path} is unreadable ({e}); remove {pointer} to start afresh") from None
-    if sidecar.get("format") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {path} has an unsupported format {sidecar.get('format')!r}")
-    return tag, sidecar
+        return tag, _read_sidecar(ckpt, tag)
+    except ValueError as e:
+        raise ValueError(f"{e}; remove {pointer} to start afresh") from None
 
 
 def state_of(sidecar: dict) -> RunState:
@@ -168,14 +288,21 @@ def load(engine, run_dir: str, tag: str, *, module_only: bool = False, restore_r
 
 
 def rotate(run_dir: str, state: RunState, keep: int) -> None:
-    """Delete old checkpoints, keeping the newest ``keep``, the latest and those a resume needs."""
+    """Delete old checkpoints, keeping the newest ``keep``, the latest and those a resume from any of
+    them needs (the checkpoints of their coalesced levels)."""
     if dist.get_rank() != 0:
         return
     ckpt = checkpoint_dir(run_dir)
     tags = sorted(t for t in os.listdir(ckpt) if t.startswith("phase") and os.path.isdir(os.path.join(ckpt, t)))
     with open(os.path.join(ckpt, POINTER)) as f:
         latest = f.read().strip()
-    protected = set(tags[-keep:]) | {latest} | set(state.open_levels.values())
+    kept = set(tags[-keep:]) | {latest}
+    protected = kept | set(state.open_levels.values())
+    for tag in kept:  # and what each kept checkpoint needs to resume (a fall back may resume from it)
+        sidecar = os.path.join(ckpt, tag, SIDECAR)
+        if os.path.exists(sidecar):
+            with open(sidecar) as f:
+                protected |= set(json.load(f)["state"]["open_levels"].values())
     for tag in tags:
         if tag not in protected and tag < latest:
             shutil.rmtree(os.path.join(ckpt, tag), ignore_errors=True)

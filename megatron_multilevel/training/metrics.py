@@ -26,7 +26,8 @@ def _hms(seconds: float) -> str:
 
 
 class Metrics:
-    def __init__(self, output_dir: str, *, enabled: bool, resume_global_step: Optional[int] = None):
+    def __init__(self, output_dir: str, *, enabled: bool, resume_global_step: Optional[int] = None,
+                 resume_phase: Optional[int] = None):
         self.enabled = enabled
         self.path = os.path.join(output_dir, METRICS_FILE)
         self.started = time.time()
@@ -35,7 +36,7 @@ class Metrics:
             return
         os.makedirs(output_dir, exist_ok=True)
         if resume_global_step is not None and os.path.exists(self.path):
-            self._truncate_after(resume_global_step)
+            self._truncate_after(resume_global_step, resume_phase)
         elif resume_global_step is None and os.path.exists(self.path):
             os.remove(self.path)
         try:
@@ -45,10 +46,17 @@ class Metrics:
         except ImportError:  # tensorboard is optional at run time
             self.tb = None
 
-    def _truncate_after(self, global_step: int) -> None:
-        """Drop what a killed run logged after the checkpoint it resumes from."""
+    def _truncate_after(self, global_step: int, phase: Optional[int]) -> None:
+        """Drop what a killed run logged after the checkpoint it resumes from: later steps, and at its
+        step the records of later phases (a checkpoint at a phase's end, resumed after the next
+        phase had begun)."""
+        def before(record: dict) -> bool:
+            step = record.get("global_step", 0)
+            later_phase = phase is not None and record.get("phase", phase) > phase
+            return step < global_step or (step == global_step and not later_phase)
+
         with open(self.path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line).get("global_step", 0) <= global_step]
+            kept = [line for line in f if line.strip() and before(json.loads(line))]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(kept)

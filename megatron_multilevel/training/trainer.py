@@ -73,8 +73,13 @@ class Trainer:
             raise ValueError(f"the checkpoint in {self.ctx.run_dir} follows a different schedule; "
                              f"use another training.output_dir")
 
+    def _say(self, line: str) -> None:
+        """A line on the console before the run's metrics exist (rank 0)."""
+        if self.rank == 0:
+            print(line, flush=True)
+
     def _start(self) -> RunState:
-        found = checkpoint.read_latest(self.ctx.run_dir)
+        found = checkpoint.read_resumable(self.ctx.run_dir, say=self._say)
         sidecar = found[1] if found else None
         if sidecar is not None:
             self._check_resumable(sidecar)
@@ -91,7 +96,8 @@ class Trainer:
         tag, sidecar = found
         state = checkpoint.state_of(sidecar)
         self.ctx.state = state
-        self.ctx.metrics = Metrics(self.ctx.run_dir, enabled=self.rank == 0, resume_global_step=state.global_step)
+        self.ctx.metrics = Metrics(self.ctx.run_dir, enabled=self.rank == 0, resume_global_step=state.global_step,
+                                   resume_phase=state.phase)
         self.ctx.metrics.say(f"resuming from {tag} (phase {state.phase + 1}/{len(self.phases)}, step {state.step})")
         self.cycle.restore(state)
         phase = self.phases[state.phase]

@@ -1,0 +1,100 @@
+"""Checkpoints that storage damaged or never finished: the files' sizes and checksums, the fall
+back to the previous complete checkpoint, a save that fails on a full disk."""
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+
+from launch_helpers import KEEP_ALL, ROOT, SAME_RUN, assert_close_to_reference, launch, ok, records, run_config
+
+from megatron_multilevel.training import manifest
+
+
+def test_manifest_records_sizes_and_crc32_and_names_the_bad_file(tmp_path):
+    """Sizes and CRC-32 against zlib on the whole file's bytes; a truncated, an altered (same size)
+    and a missing file each named; temporary files and the skipped names left out."""
+    (tmp_path / "sub").mkdir()
+    data = {"a.pt": os.urandom(5_000_001), "sub/b.pt": b"x" * 10, "empty": b""}
+    for name, content in data.items():
+        (tmp_path / name).write_bytes(content)
+    (tmp_path / "c.json.tmp123").write_text("{}")
+    (tmp_path / "multilevel.json").write_text("{}")
+    names = manifest.list_files(str(tmp_path), skip=("multilevel.json",))
+    assert names == sorted(data)
+    files = manifest.entries(str(tmp_path), names)
+    assert files == {name: [len(c), zlib.crc32(c)] for name, c in data.items()}
+    assert manifest.problem(str(tmp_path), files) is None
+    flipped = bytearray(data["a.pt"])
+    flipped[4_999_999] ^= 1
+    (tmp_path / "a.pt").write_bytes(bytes(flipped))
+    assert "a.pt does not match the checksum" in manifest.problem(str(tmp_path), files)
+    (tmp_path / "a.pt").write_bytes(data["a.pt"][:-1])
+    assert "a.pt has 5000000 bytes, 5000001 when it was written" in manifest.problem(str(tmp_path), files)
+    (tmp_path / "a.pt").unlink()
+    assert "a.pt is missing" in manifest.problem(str(tmp_path), files)
+    assert manifest.problem(str(tmp_path), files, ["sub/b.pt"]) is None  # a rank's share only
+
+
+def _verify(path):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "inspect_checkpoint.py"), str(path), "--verify"],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_one_before(reference, corpus, tmp_path):
+    """Killed in phase 2 (global step 12; checkpoints at global steps 3, 6, 8 and 9), the model file of
+    the newest (phase 2, step 1) truncated as a partial copy leaves it: the resume says so in one
+    line, starts from the end of phase 1, de-coalesces again and ends on the uninterrupted run's
+    losses. inspect_checkpoint --verify names the file; it passes on an intact checkpoint."""
+    config = run_config(tmp_path, corpus, "run")
+    assert launch(config, env={"MEGATRON_MULTILEVEL_CRASH_AT": "step12"}).returncode != 0
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "phase02-step0000001"
+    intact = _verify(tmp_path / "run")
+    assert intact.returncode == 0 and "all intact" in intact.stdout, intact.stdout + intact.stderr
+    (model_file,) = (ckpt / "phase02-step0000001").glob("mp_rank_00_model_states.pt")
+    size = model_file.stat().st_size
+    model_file.write_bytes(model_file.read_bytes()[: size // 2])
+    bad = _verify(tmp_path / "run")
+    assert bad.returncode == 1 and "mp_rank_00_model_states.pt has" in bad.stdout, bad.stdout + bad.stderr
+    resumed = ok(launch(config))
+    notices = [line for line in resumed.stdout.splitlines() if "is damaged" in line]
+    assert notices == [f"checkpoint phase02-step0000001 is damaged ({model_file} has {size // 2} bytes, {size} when "
+                       f"it was written); resuming from the one before, phase01-step0000005"], resumed.stdout[-3000:]
+    assert len(notices) == 1 and "Traceback" not in resumed.stderr
+    assert [r["global_step"] for r in records(tmp_path / "run", "resume")] == [8]
+    assert_close_to_reference(tmp_path / "run", reference, **SAME_RUN)
+
+
+def test_no_intact_checkpoint_left_is_one_line(corpus, tmp_path):
+    """Every complete checkpoint damaged: one line per checkpoint tried, then a clear error, no traceback."""
+    config = run_config(tmp_path, corpus, "run", training={"save_interval": 0})
+    assert launch(config, env={"MEGATRON_MULTILEVEL_CRASH_AT": "step5"}).returncode != 0
+    (only,) = [d for d in (tmp_path / "run" / "checkpoints").iterdir() if d.is_dir()]
+    sidecar = json.loads((only / "multilevel.json").read_text())
+    assert sidecar["files"] and all(size >= 0 for size, _ in sidecar["files"].values())
+    (only / "rng_rank0.pt").unlink()
+    failed = launch(config)
+    assert failed.returncode == 1
+    assert f"checkpoint {only.name} is damaged ({only / 'rng_rank0.pt'} is missing); none is left" in failed.stdout
+    assert "error: no intact checkpoint is left in" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_a_save_that_fails_keeps_the_last_checkpoint(reference, corpus, tmp_path):
+    """The save at global step 6 fails as on a full disk (after DeepSpeed's files): one line, no
+    traceback, its directory removed, `latest` still the checkpoint before; run again, the run
+    resumes from there and ends on the uninterrupted run's losses."""
+    config = run_config(tmp_path, corpus, "run", training=KEEP_ALL)
+    failed = launch(config, env={"MEGATRON_MULTILEVEL_FAIL_AT": "save:phase01-step0000003"})
+    assert failed.returncode == 1
+    ckpt = tmp_path / "run" / "checkpoints"
+    lines = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: checkpoint {ckpt / 'phase01-step0000003'} could not be written (No space left on "
+                     f"device); the last complete checkpoint, phase00-step0000003, is kept: free space and run the "
+                     f"same command to resume"], failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr
+    assert not (ckpt / "phase01-step0000003").exists()
+    assert (ckpt / "latest").read_text().strip() == "phase00-step0000003"
+    ok(launch(config))
+    assert_close_to_reference(tmp_path / "run", reference, **SAME_RUN)
