@@ -15,6 +15,8 @@
 #   --num_gpus N (alias --num_procs N: processes per node; on CPU one process by default)
 #   --num_nodes N, --hostfile FILE, --master_addr ADDR, --master_port PORT,
 #   --include/--exclude SPEC, --no_ssh --node_rank R (start each node yourself), --bind_cores_to_rank
+#   --launcher-log-level LEVEL: the launcher's own log lines (default warning: its INFO lines off;
+#   info shows them)
 # e.g. on two nodes:
 #   launch/pretrain_vcycle.sh configs/gpt_base.json --hostfile hosts --num_nodes 2 --num_gpus 8
 # or, without ssh, on every node:
@@ -28,6 +30,7 @@ launcher=()
 module_args=()
 overrides=()
 procs_given=0
+launcher_log_level=warning
 multi_node=0
 port_given=0
 while [[ $# -gt 0 ]]; do
@@ -44,8 +47,10 @@ while [[ $# -gt 0 ]]; do
     --master_addr=*|--launcher=*|--ssh_port=*|--bind_core_list=*) launcher+=("$1"); shift ;;
     --no_ssh|--no_ssh_check|--force_multi|--bind_cores_to_rank|--enable_each_rank_log)
       launcher+=("$1"); shift ;;
+    --launcher-log-level) launcher_log_level="$2"; shift 2 ;;
+    --launcher-log-level=*) launcher_log_level="${1#*=}"; shift ;;
     --with-baseline|--no-baseline) module_args+=("$1"); shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     -*) echo "pretrain_vcycle.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *.json)
       if [[ -n "$config" ]]; then echo "pretrain_vcycle.sh: two configs given: $config and $1" >&2; exit 2; fi
@@ -55,6 +60,12 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
+case "$launcher_log_level" in
+  debug|info|warning|error) ;;
+  *) echo "pretrain_vcycle.sh: invalid --launcher-log-level $launcher_log_level; valid choices are debug, info, warning, error" >&2
+     exit 2 ;;
+esac
+launcher+=(--log_level "$launcher_log_level")
 if [[ -z "$config" ]]; then
   config="$root/configs/gpt_tiny_cpu.json"
 fi
@@ -66,6 +77,8 @@ python_bin="${PYTHON:-python}"
 if ! "$python_bin" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   # CPU: one process unless asked otherwise (the DeepSpeed launcher would start one per NUMA node).
   if [[ $procs_given -eq 0 ]]; then launcher+=(--num_gpus 1); fi
+  # named, so that DeepSpeed does not warn on every rank that it found no GPU
+  export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 fi
 if [[ $multi_node -eq 0 && $port_given -eq 0 ]]; then
   # One node: a free port, so that several runs on one machine do not collide on 29500. Drawn below

@@ -461,3 +461,16 @@ def test_gstack_in_two_layouts_is_the_one_process_run(corpus, tmp_path):
     config = run_config(tmp_path, corpus, "run", multilevel=layouts, training=KEEP_ALL)
     ok(launch(config, "--num_procs", 2))
     assert_close_to_reference(tmp_path / "run", {"dir": tmp_path / "reference"}, abs=2e-4)
+
+
+def test_the_launcher_is_quiet_unless_asked(reference, corpus, tmp_path):
+    """A run shows its own lines, not the DeepSpeed launcher's INFO lines nor its no-GPU warning;
+    --launcher-log-level info brings the INFO lines back (a config error ends both runs early)."""
+    assert "[INFO]" not in reference["stdout"] and "Setting accelerator to CPU" not in reference["stdout"]
+    config = run_config(tmp_path, corpus, "run")
+    quiet = launch(config, "multilevel.alpha=5")
+    loud = launch(config, "multilevel.alpha=5", "--launcher-log-level", "info")
+    for result in (quiet, loud):
+        assert result.returncode != 0 and "error: multilevel.alpha must be in [0, 1], got 5.0" in result.stderr
+    assert "[INFO]" not in quiet.stdout + quiet.stderr
+    assert "[INFO] [runner.py" in loud.stdout + loud.stderr
