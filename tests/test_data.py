@@ -6,6 +6,7 @@ import pytest
 
 from launch_helpers import make_corpus, preprocess
 from megatron_multilevel.config import load_config
+from megatron_multilevel.data.datasets import sample_indices
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +69,22 @@ def test_embedded_corpus_holds_out_a_random_sample_of_files():
     rank = {f: i for i, f in enumerate(library)}
     quarters = {4 * rank[f] // len(files) for f in held_out}
     assert len(quarters) >= 3, sorted(rank[f] for f in held_out)
+
+
+@pytest.mark.parametrize("dp, accumulation", [(1, 1), (2, 1), (1, 4), (2, 2), (4, 2)])
+def test_every_sample_of_a_global_batch_is_read_once_per_step(dp, accumulation):
+    """Over the data-parallel ranks and micro-batches of a step, the samples read are exactly that
+    step's global batch, each once, in the order of (rank, micro-batch): rank r reads the r-th
+    contiguous block of the batch (enumerated here by hand, not through the sampler's formula)."""
+    global_batch = 16
+    micro = global_batch // (dp * accumulation)
+    for step in range(3):
+        reads = {(r, m): list(sample_indices(step, m, global_batch=global_batch, micro_batch=micro, dp_rank=r,
+                                             accumulation=accumulation))
+                 for r in range(dp) for m in range(accumulation)}
+        flat = [i for r in range(dp) for m in range(accumulation) for i in reads[(r, m)]]
+        assert flat == list(range(step * global_batch, (step + 1) * global_batch))
+        for r in range(dp):
+            block = [i for m in range(accumulation) for i in reads[(r, m)]]
+            per_rank = global_batch // dp
+            assert block == list(range(step * global_batch + r * per_rank, step * global_batch + (r + 1) * per_rank))

@@ -167,6 +167,15 @@ def test_f_cycle(corpus, tmp_path):
     assert [r["lr"] for r in train] == pytest.approx([c * p * r for c, p, r in zip(cosine, peaks, ramps)], rel=1e-6)
 
 
+def test_two_data_parallel_ranks_with_accumulation_are_the_one_process_run(reference, corpus, tmp_path):
+    """DP=2 with 2 micro-batches of 2 per rank and step (gradient accumulation through the trainer,
+    on every level of the V-cycle): the one-process run of 8-sample batches, step by step."""
+    config = run_config(tmp_path, corpus, "run", gradient_accumulation_steps=2, training=KEEP_ALL)
+    out = ok(launch(config, "--num_procs", 2)).stdout
+    assert "on 2 rank(s)" in out
+    assert_close_to_reference(tmp_path / "run", reference, abs=2e-4)
+
+
 def test_two_processes_with_changing_layouts(reference, corpus, tmp_path):
     """Level 0 at TP=2 with ZeRO-1, level 1 at DP=2 with ZeRO-3: the same run as one process."""
     levels = json.loads(run_config(tmp_path, corpus, "tmp").read_text())["multilevel"]["levels"]
