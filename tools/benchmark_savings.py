@@ -59,7 +59,7 @@ SIZES = {
                             "vocab_size": 512, "max_sequence_length": 64},
                      seq=64, batch=16, steps=8500, fine_lr=4e-3),
     # The ODE paper's model (Lauga et al.: GPT decoder, 12 blocks, width 256, 8 heads) and optimizer
-    # (SGD; with its momentum, as configs/gpt_ode_paper.json), at the CPU data budget.
+    # (SGD; with its momentum, as configs/gpt_ode_alternating.json), at the CPU data budget.
     "ode-paper": dict(model={"kind": "gpt", "num_layers": 12, "hidden_size": 256, "num_attention_heads": 8,
                              "vocab_size": 4096, "max_sequence_length": 64},
                       seq=64, batch=16, steps=480, fine_lr=0.1,
