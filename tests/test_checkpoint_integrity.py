@@ -7,6 +7,8 @@ import subprocess
 import sys
 import zlib
 
+import pytest
+
 from launch_helpers import KEEP_ALL, ROOT, SAME_RUN, assert_close_to_reference, launch, ok, records, run_config
 
 from megatron_multilevel.training import manifest
@@ -98,3 +100,42 @@ def test_a_save_that_fails_keeps_the_last_checkpoint(reference, corpus, tmp_path
     assert (ckpt / "latest").read_text().strip() == "phase00-step0000003"
     ok(launch(config))
     assert_close_to_reference(tmp_path / "run", reference, **SAME_RUN)
+
+
+# where a kill can land in the reference V-cycle (3 fine, 5 coarse, 5 fine steps; saves every 3
+# global steps and at every phase's end), in the order a run passes them
+KILL_POINTS = ([f"step{g}" for g in range(1, 4)] + ["save:phase00-step0000003", "transition1"]
+               + [f"step{g}" for g in range(4, 9)] + ["save:phase01-step0000005", "transition2"]
+               + [f"step{g}" for g in range(9, 13)] + ["save:phase02-step0000004"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chaos_two_ranks_killed_and_a_truncated_file_end_on_the_uninterrupted_loss(reference, corpus, tmp_path, seed):
+    """Two data-parallel ranks killed (as SIGKILL: no cleanup) at three moments drawn with ``seed``
+    among steps, transitions and saves, resumed each time by the same command, with the newest
+    checkpoint's model file truncated after the first kill that leaves two complete checkpoints
+    (seeds 0 and 1: after their second and third kills): the run ends on the one-process
+    uninterrupted run's losses. A failing seed reproduces: the kills are the seed's, in order."""
+    import random
+
+    kills = [KILL_POINTS[k] for k in sorted(random.Random(seed).sample(range(len(KILL_POINTS)), 3))]
+    config = run_config(tmp_path, corpus, "run")
+    ckpt = tmp_path / "run" / "checkpoints"
+    planted, after = None, ""
+    for kill in kills:
+        result = launch(config, "--num_procs", 2, env={"MEGATRON_MULTILEVEL_CRASH_AT": kill})
+        assert result.returncode != 0, (kills, kill, "not reached")
+        if planted is not None:
+            after += result.stdout
+        complete = sorted(d for d in ckpt.glob("phase*") if (d / "multilevel.json").exists()) if ckpt.exists() else []
+        if planted is None and len(complete) >= 2:
+            newest = ckpt / (ckpt / "latest").read_text().strip()
+            (planted,) = newest.glob("mp_rank_00_model_states.pt")
+            planted.write_bytes(planted.read_bytes()[:100])
+    after += ok(launch(config, "--num_procs", 2)).stdout
+    assert planted is not None and after.count(f"({planted} has 100 bytes") == 1, (kills, after[-3000:])
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["totals"]["final_valid_loss"] == pytest.approx(
+        json.loads((reference["dir"] / "summary.json").read_text())["totals"]["final_valid_loss"], abs=2e-4
+    ), kills
+    assert_close_to_reference(tmp_path / "run", reference, abs=2e-4)
