@@ -54,8 +54,9 @@ def scale_residuals(layer: Mapping[str, torch.Tensor], selection: LayerSelection
 
 
 def restrict_layer(fine_layer: Mapping[str, torch.Tensor], selection: LayerSelection, *, degree: int = 1) -> StateDict:
-    """The coarse layer made from its fine layer; ``degree`` 2 for squared quantities (Adam's
-    second moment)."""
+    """The coarse layer made from its fine layer: its residual-branch outputs times
+    ``residual_scale ** degree`` (1 for parameters; -1 and -2 for optimizer moments, which are in
+    gradient and squared-gradient units: ``parallel.ode_transition.DEGREE``)."""
     return scale_residuals(fine_layer, selection, float(selection.residual_scale) ** degree)
 
 

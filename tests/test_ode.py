@@ -147,15 +147,24 @@ def test_constant_and_linear_prolongations_give_the_skipped_layers_their_neighbo
             assert not torch.equal(new[name], fine[name])
 
 
-def test_restriction_acts_on_gradients_and_moments_like_on_parameters():
+def test_moments_restrict_in_gradient_units():
+    """Residual scale 2: a residual-branch output's parameter doubles, its moments (gradient units)
+    halve and its second moment quarters, as the optimizer-state map uses them; other tensors copy."""
+    from megatron_multilevel.parallel.ode_transition import DEGREE
+
     cfg = small_config("bert_tied", num_layers=4)
     sel = LayerSelection(cfg, 0, 2)
     grads = random_state_dict(cfg, seed=7)
     squared = {k: v * v for k, v in grads.items()}
-    r1, r2 = restrict(grads, sel), restrict(squared, sel, degree=2)
-    name = "encoder.layers.1.mlp.linear_fc2.weight"  # coarse layer 1 is fine layer 2
-    assert torch.equal(r1[name], 2 * grads["encoder.layers.2.mlp.linear_fc2.weight"])
-    assert torch.equal(r2[name], 4 * squared["encoder.layers.2.mlp.linear_fc2.weight"])
+    params = restrict(grads, sel)
+    r1, r2 = restrict(grads, sel, degree=DEGREE["exp_avg"]), restrict(squared, sel, degree=DEGREE["exp_avg_sq"])
+    assert DEGREE["momentum_buffer"] == DEGREE["exp_avg"]
+    name = "encoder.layers.1.mlp.linear_fc2.weight"  # coarse layer 1 is fine layer 2, a residual-branch output
+    assert torch.equal(params[name], 2 * grads["encoder.layers.2.mlp.linear_fc2.weight"])
+    assert torch.equal(r1[name], 0.5 * grads["encoder.layers.2.mlp.linear_fc2.weight"])
+    assert torch.equal(r2[name], 0.25 * squared["encoder.layers.2.mlp.linear_fc2.weight"])
+    other = "encoder.layers.1.mlp.linear_fc1.weight"
+    assert torch.equal(r1[other], grads["encoder.layers.2.mlp.linear_fc1.weight"])
 
 
 def test_layer_selection_json_and_errors():

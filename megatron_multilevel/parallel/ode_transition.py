@@ -42,8 +42,15 @@ from megatron_multilevel.parallel.tp_layout import partition_dim, shard, unshard
 from megatron_multilevel.plan import parameter_plan
 
 OptimizerState = Literal["reset", "keep", "map"]
-# Adam's second moment is a squared gradient: the residual scale acts on it squared.
-DEGREE = {"exp_avg": 1, "exp_avg_sq": 2, "momentum_buffer": 1}
+# How the residual scale ``s`` acts on each optimizer state carried into a coarse phase and back
+# (``optimizer_state = "map"``): the states are in units of the gradient, and where a coarse
+# parameter is ``s`` times its fine one the coarse gradient is ``1 / s`` times the fine one (the
+# chain rule; ``ode_operators.restrict_gradient``). So momentum and Adam's first moment restrict as
+# gradients (``s ** -1`` on the residual-branch outputs), the second moment as a squared gradient
+# (``s ** -2``), and come back multiplied. The gradients the coarse optimizer adds to them are then
+# in the same units; Adam's step ``m / sqrt(v)`` does not change with the choice (eps aside), SGD's
+# momentum does (parameter-like scaling started a coarse phase with ``s ** 2`` times it).
+DEGREE = {"exp_avg": -1, "exp_avg_sq": -2, "momentum_buffer": -1}
 
 
 def shard_local(fine_layout: Layout, coarse_layout: Layout) -> bool:
