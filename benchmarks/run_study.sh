@@ -200,8 +200,25 @@ PEERS=(
 )
 POINTS[peers-8x256-480]="--size cpu --steps 480"
 
+# The BERT study (the paper's headline model; docs/benchmarks.md, "BERT"): BERT of the
+# headline GPT's shape, masked-language modelling, at two budgets, two seeds. The baseline tuned,
+# the control, then the paper's 2-level V-cycle (width and depth, E_a 5%, alpha 0.5), the paper's
+# 3-level structure, the recipe and stacking with its levers and as published, at the budget
+# fractions of the equal-quality measure.
+BERT=(
+  "--recipe --methods coarse --scratch-lr 0.0005 0.001 0.002 --fractions 1.0"
+  "--methods vcycle2 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper $FRACTIONS"
+  "--methods vcycle3 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper $FRACTIONS"
+  "--recipe $FRACTIONS"
+  "$STACK_LEVERS $FRACTIONS"
+  "--methods stacking --depth-scaling ode $FRACTIONS"
+)
+POINTS[bert-8x256-480]="--size cpu-bert --steps 480"
+POINTS[bert-8x256-1920]="--size cpu-bert --steps 1920"
+
 recipes_of() {  # the recipe lines of a point
   case "$1" in
+    bert-*) printf '%s\n' "${BERT[@]}" ;;
     peers-*) printf '%s\n' "${PEERS[@]}" ;;
     ablation-8x256-480-b582310) printf '%s\n' "${ABLATION_B582310[@]}" ;;
     ablation-*) printf '%s\n' "${ABLATION[@]}" ;;
@@ -218,7 +235,7 @@ if [[ "${1:-}" == "--seeds" ]]; then
 fi
 if [[ "${1:-}" == "--list" ]]; then
   for point in "${ORDER[@]}" ablation-8x256-480 ablation-8x256-480-b582310 "${LONG_POINTS[@]}" \
-      "${CONTROL_POINTS[@]}" peers-8x256-480; do
+      "${CONTROL_POINTS[@]}" peers-8x256-480 bert-8x256-480 bert-8x256-1920; do
     while IFS= read -r recipe; do
       echo "$point: ${POINTS[$point]} $recipe (seeds 1234 to $((1233 + ${SEEDS[$point]:-2})))"
     done < <(recipes_of "$point")

@@ -64,6 +64,11 @@ SIZES = {
                              "vocab_size": 4096, "max_sequence_length": 64},
                       seq=64, batch=16, steps=480, fine_lr=0.1,
                       optimizer={"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}}),
+    # BERT of the headline GPT's shape (masked-language modelling with the binary head, as the
+    # BERT configs have it), on the embedded corpus, for the BERT study (docs/benchmarks.md).
+    "cpu-bert": dict(model={"kind": "bert", "num_layers": 8, "hidden_size": 256, "num_attention_heads": 8,
+                            "vocab_size": 4096, "max_sequence_length": 64},
+                     seq=64, batch=16, steps=480, fine_lr=1e-3),
     "tiny": dict(model={"kind": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
                         "vocab_size": 512, "max_sequence_length": 32},
                  seq=32, batch=8, steps=12, fine_lr=2e-3),
