@@ -154,9 +154,10 @@ LONG_CONTROLS=(
   "once: --recipe --methods coarse --scratch-lr 0.002 0.004 --fractions 1.0"
   "once: --recipe --coarse-share 0.8 0.2 0.1 --fractions 1.0"
   "once: --methods stacking --depth-scaling identity --coarse-share 0.2 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-share0.2 --fractions 1.0"
-  # both end under the best scratch at the full budget (1.4455 and 1.4501 against 1.4612): the
-  # budget fractions of the equal-quality measure
+  # shares of 0.2 and 0.1 end under the best scratch at the full budget (stacking 1.4455, the
+  # F-cycle 1.4501 and 1.4443, against 1.4612): the budget fractions of the equal-quality measure
   "once: --methods stacking --depth-scaling identity --coarse-share 0.2 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-share0.2 --fractions 0.8 0.6"
+  "once: --recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 0.8 0.6"
   "once: --recipe --coarse-share 0.2 --tag=-coarse0.2 --fractions 0.8 0.6"
   "once: --recipe --coarse-share 0.8 0.5 0.65 --fractions 1.0"
   "once: --methods stacking --depth-scaling identity --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue --fractions 1.0"
