@@ -200,6 +200,20 @@ PEERS=(
   "$MSG --fractions 0.6 0.8"
 )
 POINTS[peers-8x256-480]="--size cpu --steps 480"
+# The peers at the regime study's longest point (81 tokens per parameter, where the full model is
+# the better one), one seed with the budget fractions: the baseline at its two best rates, the
+# control, the F-cycle with the share that paid there (0.1), stacking with the levers, G_stack as
+# published and with the levers, MSG; all with a 10% first phase at the small model.
+PEERS_LONG=(
+  "--recipe --methods coarse --scratch-lr 0.002 0.004 --fractions 1.0"
+  "--recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 1.0 0.8 0.6"
+  "${STACK_LEVERS/0.8/0.1} --fractions 1.0 0.8 0.6"
+  "--methods gstack --gstack-factor 4 --gstack-share 0.1 --fractions 1.0 0.8 0.6"
+  "--methods gstack --gstack-factor 4 --gstack-share 0.1 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-levers --fractions 1.0 0.8 0.6"
+  "${MSG/0.8/0.1} --fractions 1.0 0.8 0.6"
+)
+POINTS[peers-4x64-18800]="--size cpu-4x64 --steps 18800"
+SEEDS[peers-4x64-18800]=1
 
 # The BERT study (the paper's headline model; docs/benchmarks.md, "BERT"): BERT of the
 # headline GPT's shape, masked-language modelling, at two budgets, two seeds. The baseline tuned,
@@ -220,6 +234,7 @@ POINTS[bert-8x256-1920]="--size cpu-bert --steps 1920"
 recipes_of() {  # the recipe lines of a point
   case "$1" in
     bert-*) printf '%s\n' "${BERT[@]}" ;;
+    peers-4x64-18800) printf '%s\n' "${PEERS_LONG[@]}" ;;
     peers-*) printf '%s\n' "${PEERS[@]}" ;;
     ablation-8x256-480-b582310) printf '%s\n' "${ABLATION_B582310[@]}" ;;
     ablation-*) printf '%s\n' "${ABLATION[@]}" ;;
@@ -236,7 +251,7 @@ if [[ "${1:-}" == "--seeds" ]]; then
 fi
 if [[ "${1:-}" == "--list" ]]; then
   for point in "${ORDER[@]}" ablation-8x256-480 ablation-8x256-480-b582310 "${LONG_POINTS[@]}" \
-      "${CONTROL_POINTS[@]}" peers-8x256-480 bert-8x256-480 bert-8x256-1920; do
+      "${CONTROL_POINTS[@]}" peers-8x256-480 peers-4x64-18800 bert-8x256-480 bert-8x256-1920; do
     while IFS= read -r recipe; do
       echo "$point: ${POINTS[$point]} $recipe (seeds 1234 to $((1233 + ${SEEDS[$point]:-2})))"
     done < <(recipes_of "$point")
