@@ -1,5 +1,6 @@
 """The published growth methods the recipe is measured against, as methods of this project."""
 
+import dataclasses
 import json
 import math
 import re
@@ -195,3 +196,35 @@ def test_msg_config_checks():
         load_config(vcycle)
     with pytest.raises(ValueError, match="msg_mask_share"):
         variant_configs(_base(8), steps=1000, fine_lr=1e-3, methods=["msg"], coarse_share=0.5, msg_mask_share=0.9)
+
+
+# ---------------------------------------------------------------- bert2BERT: FPI width growth with stacking
+@pytest.mark.usefixtures("dist_single")
+def test_bert2bert_grows_width_by_fpi_and_depth_by_stacking():
+    """The bert2bert config's small model is half as wide and deep, at 3 times the rate; grown by its
+    own level maps, fine layer k is small layer k mod (L / 2) widened by FPI, which is what a
+    width-only de-coalescing (function-preserving: tests/test_function_preservation.py) makes of it."""
+    from megatron_multilevel.flops import flops_per_token
+
+    made = variant_configs(_base(8), steps=1000, fine_lr=1e-3, warmup=40, methods=["bert2bert"], coarse_share=0.5)
+    cfg = load_config(made["bert2bert"])
+    fine, small = cfg.level_models()
+    assert (small.num_layers, small.hidden_size) == (fine.num_layers // 2, fine.hidden_size // 2)
+    ml = made["bert2bert"]["multilevel"]
+    assert ml["levels"][1]["steps_before"] == 500 and ml["levels"][1]["lr_before"]["peak"] == pytest.approx(3e-3)
+    seq = cfg.data.seq_length
+    ratio = flops_per_token(small, seq) / flops_per_token(fine, seq)
+    assert ml["levels"][0]["steps_after"] == int(1000 - 500 * ratio)
+    (level_map,) = run_level_maps(cfg)
+    small_state = random_state_dict(small, seed=23)
+    grown = decoalesce(small_state, level_map)
+    q = small.num_layers
+    wide_small = dataclasses.replace(fine, num_layers=q)  # the small model's depth at the full width
+    widened = decoalesce(small_state, make_level_map(wide_small, depth=False, width_pairing=cfg.multilevel.width_pairing))
+    for name, t in grown.items():
+        if name.startswith(layer_prefix(fine, 0)[: -len("0.")]):
+            k, rest = name.split(".", 3)[2], name.split(".", 3)[3]
+            source = layer_prefix(small, int(k) % q) + rest
+            assert torch.equal(t, widened[source]), name
+        else:
+            assert torch.equal(t, widened[name]), name

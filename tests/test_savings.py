@@ -145,7 +145,7 @@ def test_variants_share_the_token_budget():
     configs = variant_configs(BASE, steps=100, fine_lr=1e-3, budget="tokens")
     assert {name: _budget(cfg)[0] for name, cfg in configs.items()} == {
         "scratch": 100, "coarse": 100, "vcycle2": 100, "vcycle3": 100, "wcycle2": 100, "fcycle2": 100,
-        "stacking": 100, "stacking3": 100, "gstack": 100, "msg": 100, "ode2": 100}
+        "stacking": 100, "stacking3": 100, "gstack": 100, "msg": 100, "bert2bert": 100, "ode2": 100}
     stack = load_config(configs["stacking"])
     assert stack.multilevel.cycle == "grow" and stack.level_models()[1].num_layers == 4
     assert stack.level_models()[1].hidden_size == 64

@@ -401,7 +401,7 @@ def best_scratch(results: list[dict]) -> str:
 
 
 def family(name: str) -> str:
-    for prefix in ("scratch", "coarse", "vcycle", "wcycle", "fcycle", "ode", "stacking", "gstack", "msg"):
+    for prefix in ("scratch", "coarse", "vcycle", "wcycle", "fcycle", "ode", "stacking", "gstack", "msg", "bert2bert"):
         if name.startswith(prefix):
             return prefix
     raise AssertionError(f"method {name!r} has no family")
@@ -597,7 +597,8 @@ def main(argv=None) -> int:
     return 0
 
 
-METHODS = ["coarse", "vcycle2", "vcycle3", "wcycle2", "fcycle2", "stacking", "stacking3", "gstack", "msg", "ode2"]
+METHODS = ["coarse", "vcycle2", "vcycle3", "wcycle2", "fcycle2", "stacking", "stacking3", "gstack", "msg", "bert2bert",
+           "ode2"]
 
 
 def _reusable(path: str, version: str, config: dict) -> bool:

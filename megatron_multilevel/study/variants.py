@@ -136,6 +136,10 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
       as MSG's code makes them; with ``optimizer_state`` map and ``lr_schedule`` continue the old
       layers keep their moments and the run one schedule, as published, but the new layers get
       copied moments where MSG starts them at zero);
+    - ``bert2bert``: bert2BERT's growth (Chen et al., ACL 2022): the half-width, half-depth model
+      (at the narrower models' rate) from scratch for ``coarse_share`` of the steps, grown in width
+      by function-preserving copies (FPI: this project's width de-coalescing) and in depth by
+      stacking, at once; AKI (new units also from the next layer) is not built;
     - ``ode2``: the multilevel ODE strategy (Lauga et al.): ``ode_cycles`` cycles (default 4) of
       ``ea / 2`` of the steps at the fine level, ``coarse_share / ode_cycles`` at the coarse model
       of every other layer (at the fine rate: it is as wide) and ``ea / 2`` at the fine level
@@ -177,6 +181,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     # a narrower model takes a larger learning rate; by default a shallower one of the same width
     # does not (progressive stacking keeps the fine rate too): coarse_lr_factor None is 3 for a
     # narrower coarse model and 1 for a shallower one, a number sets it for either
+    narrow_lr = (3.0 if coarse_lr_factor is None else coarse_lr_factor) * fine_lr  # bert2bert's small model
     if coarse_lr_factor is None:
         coarse_lr_factor = 3.0 if shape["coalesce_width"] else 1.0
     if coarse_lr_factor <= 0:
@@ -247,6 +252,16 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
         _level(0, fine_lr, steps_after=coarse - quarter, after_peak=after_lr, after_warmup=after_warmup),
         _level(quarter, fine_lr, warmup=warmup),
     ])
+    # bert2BERT (Chen et al., ACL 2022): function-preserving width growth (FPI: every new unit a copy
+    # of an old one, the weights that read the copies split between them, which is this project's
+    # width de-coalescing) with depth stacking, as one growth of the half-width, half-depth model
+    # (bert2BERT grows width, then depth), the small model at the narrower models' rate
+    r_wd = _flops_ratios(base, {"num_levels": 2, **SHAPES["width+depth"]})
+    bert2bert = grow([
+        _level(0, fine_lr, steps_after=steps - coarse if budget == "tokens" else int(steps - coarse * r_wd[1]),
+               after_peak=after_lr, after_warmup=after_warmup),
+        _level(coarse, narrow_lr, warmup=warmup),
+    ], coalesce_width=True, depth_scaling="none")
     gstack = _gstack(steps, fine_lr, factor=gstack_factor, share=coarse_share if gstack_share is None else gstack_share,
                      budget=budget, warmup=warmup, after_lr=after_lr, after_warmup=after_warmup,
                      ratios=r3_stack,
@@ -273,7 +288,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     out = {"scratch": scratch, "coarse": _coarse_alone(scratch, steps if budget == "tokens" else int(steps / r2[1]),
                                                        coarse_lr, shape),
            "vcycle2": vcycle2, "vcycle3": vcycle3, "wcycle2": wcycle2, "fcycle2": fcycle2,
-           "stacking": stacking, "stacking3": stacking3, "gstack": gstack, "msg": msg}
+           "stacking": stacking, "stacking3": stacking3, "gstack": gstack, "msg": msg, "bert2bert": bert2bert}
     if methods is None or "ode2" in methods:
         out["ode2"] = _ode_variant(steps, fine_lr, ea=ea, coarse_share=coarse_share, budget=budget, r=r_stack[1],
                                    warmup=warmup, ode=ode, lr_schedule=lr_schedule, config=config)
