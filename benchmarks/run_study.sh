@@ -203,7 +203,8 @@ POINTS[peers-8x256-480]="--size cpu --steps 480"
 # The peers at the regime study's longest point (81 tokens per parameter, where the full model is
 # the better one), one seed with the budget fractions: the baseline at its two best rates, the
 # control, the F-cycle with the share that paid there (0.1), stacking with the levers, G_stack as
-# published and with the levers, MSG; all with a 10% first phase at the small model.
+# published and with the levers, MSG, bert2BERT (FPI width growth and stacking); all with a 10%
+# first phase at the small model.
 PEERS_LONG=(
   "--recipe --methods coarse --scratch-lr 0.002 0.004 --fractions 1.0"
   "--recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 1.0 0.8 0.6"
@@ -211,6 +212,7 @@ PEERS_LONG=(
   "--methods gstack --gstack-factor 4 --gstack-share 0.1 --fractions 1.0 0.8 0.6"
   "--methods gstack --gstack-factor 4 --gstack-share 0.1 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-levers --fractions 1.0 0.8 0.6"
   "${MSG/0.8/0.1} --fractions 1.0 0.8 0.6"
+  "--methods bert2bert --coarse-share 0.1 --optimizer-state reset --lr-schedule restart --fractions 1.0 0.8 0.6"
 )
 POINTS[peers-4x64-18800]="--size cpu-4x64 --steps 18800"
 SEEDS[peers-4x64-18800]=1
