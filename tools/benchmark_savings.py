@@ -235,6 +235,8 @@ def step_times(configs: dict[str, dict], *, steps: int = 12) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
+    if not torch.cuda.is_available():  # as the launcher does: DeepSpeed told, not warning that it found no GPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from megatron_multilevel.config import load_config
     from megatron_multilevel.distributed import init_single_process
     from megatron_multilevel.models import build_model, language_model_loss
