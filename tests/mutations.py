@@ -86,8 +86,9 @@ MUTATIONS = [
                "                    p.data.add_(1e-7)\n"),),
              ("tests/test_transitions.py::test_two_ranks",)),
     Mutation("save-marks-early", "a checkpoint is named the latest before all its files are written",
-             ((CHECKPOINT, '    crash_point(f"save:{tag}")',
-               '    if rank == 0:\n        _atomic_write(os.path.join(ckpt, POINTER), tag)\n    crash_point(f"save:{tag}")'),),
+             ((CHECKPOINT, '        crash_point(f"save:{tag}")',
+               '        if rank == 0:\n            _atomic_write(os.path.join(ckpt, POINTER), tag)\n'
+               '        crash_point(f"save:{tag}")'),),
              ("tests/test_pretrain.py::test_resume_after_kill_follows_the_same_trajectory[mid-save]",)),
     Mutation("resume-reruns-finished-phase", "a run resumed at the end of a phase evaluates and saves it again",
              ((TRAINER, 'if row["valid_loss"] is None:  # not finished', 'if True:  # not finished'),),
@@ -125,6 +126,19 @@ MUTATIONS = [
                "scaled = scale_residuals(layers[j], selection, 1.0 / selection.residual_scale)",
                "scaled = scale_residuals(layers[j], selection, float(selection.residual_scale))"),),
              ("tests/test_ode_adjoint.py",)),
+    Mutation("resume-unverified", "a resume loads the newest checkpoint without checking its files",
+             ((CHECKPOINT, "            if files is not None:\n                found = manifest.problem(",
+               "            if files is None:\n                found = manifest.problem("),),
+             ("tests/test_checkpoint_integrity.py::test_a_truncated_newest_checkpoint_falls_back_to_the_one_before",)),
+    Mutation("growth-unmasked", "the layers growth adds are not masked (MSG off)",
+             ((TRAINER, 'if phase.arrival != "grow" or not ml.enabled or ml.strategy != "coalesce":',
+               'if True:'),),
+             ("tests/test_pretrain.py::test_msg_growth_keeps_the_small_models_loss_and_resumes_in_the_ramp",)),
+    Mutation("moments-parameter-units", "the ODE strategy's mapped moments scale like parameters",
+             (("megatron_multilevel/parallel/ode_transition.py",
+               'DEGREE = {"exp_avg": -1, "exp_avg_sq": -2, "momentum_buffer": -1}',
+               'DEGREE = {"exp_avg": 1, "exp_avg_sq": 2, "momentum_buffer": 1}'),),
+             ("tests/test_ode.py::test_moments_restrict_in_gradient_units",)),
 ]
 
 

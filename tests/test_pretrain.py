@@ -71,6 +71,8 @@ def _crash_and_resume(tmp_path, corpus, crash_at, **blocks):
     assert crashed.returncode != 0
     resumed = ok(launch(config))
     assert "resuming from" in resumed.stdout
+    # a kill, even in the middle of a save, never leaves a checkpoint marked complete that is not
+    assert "is damaged" not in resumed.stdout, resumed.stdout[-3000:]
     return tmp_path / "run"
 
 
