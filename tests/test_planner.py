@@ -20,12 +20,15 @@ def point(name, parameters, tpp, saving, *, suffices=None, schedule=SCHEDULE):
 
 
 def test_the_law_recovers_an_exact_one():
-    """Points lying on saving = 0.3 - 0.04 ln(tpp) + 0.02 ln(N) give back its coefficients, no
-    residual, and leave-one-out predictions equal to the measurements."""
+    """Points lying on saving = 0.3 - 0.04 ln(tpp) + 0.02 ln(N) (three sizes, three budgets each) give
+    back its coefficients, no residual, and leave-one-out predictions equal to the measurements."""
     points = [point(f"p{i}", n, t, 0.3 - 0.04 * math.log(t) + 0.02 * math.log(n))
-              for i, (n, t) in enumerate([(1e5, 0.1), (1e5, 10), (1e6, 1), (1e6, 30), (1e7, 0.05), (1e7, 3)])]
+              for i, (n, t) in enumerate([(1e5, 0.1), (1e5, 10), (1e5, 2), (1e6, 1), (1e6, 30), (1e6, 0.2),
+                                          (1e7, 0.05), (1e7, 3), (1e7, 80)])]
     law = fit(points)
     assert law.with_size and law.coefficients == pytest.approx((0.3, -0.04, 0.02))
+    # three sizes, but one of them measured once: its effect cannot be told from its budget's
+    assert not fit([*points[:6], points[6]]).with_size
     assert law.residual_std == pytest.approx(0.0, abs=1e-9)
     for row in leave_one_out(points):
         assert row["error"] == pytest.approx(0.0, abs=1e-9)

@@ -6,7 +6,8 @@ median over seeds, against the point's best-tuned training from scratch) to
 
     saving = a + b * ln(tokens per parameter) [+ c * ln(parameters)]
 
-(the size term only where the points hold three sizes or more), with the embedding counted in the
+(the size term only where the points hold three sizes or more, each measured at two budgets or
+more: with one point a size's effect cannot be told from its budget's), with the embedding counted in the
 parameters, as Chinchilla does. Its uncertainty is the usual prediction interval of a linear fit
 (residual standard error, widened by the point's leverage); its quality is stated by the residual
 error and the leave-one-out errors (:func:`leave_one_out`). Two controls decide before the law
@@ -80,7 +81,10 @@ def _features(parameters: float, tokens_per_parameter: float, with_size: bool) -
 def fit(points: Sequence[StudyPoint]) -> Fit:
     """The law, fitted to the points with a measured saving."""
     measured = [p for p in points if p.saving is not None]
-    with_size = len({p.parameters for p in measured}) >= 3
+    per_size = {}
+    for p in measured:
+        per_size[p.parameters] = per_size.get(p.parameters, 0) + 1
+    with_size = sum(1 for n in per_size.values() if n >= 2) >= 3
     k = 3 if with_size else 2
     if len(measured) <= k:
         raise ValueError(f"the planner needs more than {k} study points with a measured saving, got {len(measured)}")
