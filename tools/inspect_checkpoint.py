@@ -58,12 +58,11 @@ def verify(path: str) -> tuple[bool, str]:
     """Whether the files of the run checkpoint at ``path`` (a checkpoint, or a run: its latest)
     have the sizes and CRC-32 its sidecar recorded, and a line saying so."""
     from megatron_multilevel.training import manifest
-    from megatron_multilevel.training.checkpoint import POINTER, SIDECAR, checkpoint_dir
+    from megatron_multilevel.training.checkpoint import SIDECAR, checkpoint_dir, latest_tag
 
-    pointer = os.path.join(checkpoint_dir(path), POINTER)
-    if os.path.exists(pointer):
-        with open(pointer) as f:
-            path = os.path.join(checkpoint_dir(path), f.read().strip())
+    latest = latest_tag(path)
+    if latest is not None:
+        path = os.path.join(checkpoint_dir(path), latest)
     sidecar = os.path.join(path, SIDECAR)
     if not os.path.exists(sidecar):
         raise ValueError(f"{path} is not a complete run checkpoint (no {SIDECAR}); --verify checks those")

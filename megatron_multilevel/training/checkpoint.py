@@ -135,7 +135,7 @@ def save(engine, run_dir: str, state: RunState, *, meta: dict,
         if extra is not None:
             extra(directory)
 
-    _settle(_attempt(write_files), directory, ckpt)
+    _settle(_attempt(write_files), directory, run_dir)
     files = _manifest(directory)
 
     def mark_complete():
@@ -144,7 +144,7 @@ def save(engine, run_dir: str, state: RunState, *, meta: dict,
         _atomic_write(os.path.join(directory, SIDECAR), json.dumps(sidecar, indent=1))
         _atomic_write(os.path.join(ckpt, POINTER), tag)
 
-    _settle(_attempt(mark_complete) if rank == 0 else None, directory, ckpt)
+    _settle(_attempt(mark_complete) if rank == 0 else None, directory, run_dir)
     return tag
 
 
@@ -157,7 +157,7 @@ def _attempt(write: Callable[[], None]) -> Optional[str]:
     return None
 
 
-def _settle(failure: Optional[str], directory: str, ckpt: str) -> None:
+def _settle(failure: Optional[str], directory: str, run_dir: str) -> None:
     """Every rank learns whether any rank's write failed (collective); if one did, the checkpoint's
     directory is removed and every rank raises ``CheckpointError`` naming the checkpoint kept."""
     failures = [None] * dist.get_world_size()
@@ -168,8 +168,7 @@ def _settle(failure: Optional[str], directory: str, ckpt: str) -> None:
     if dist.get_rank() == 0:
         shutil.rmtree(directory, ignore_errors=True)
     dist.barrier()
-    pointer = os.path.join(ckpt, POINTER)
-    kept = open(pointer).read().strip() if os.path.exists(pointer) else None
+    kept = latest_tag(run_dir)
     raise CheckpointError(
         f"checkpoint {directory} could not be written ({failed[0]}); "
         + (f"the last complete checkpoint, {kept}, is kept: free space and run the same command to resume"
@@ -189,6 +188,15 @@ def _manifest(directory: str) -> dict:
     return {name: entry for part in parts for name, entry in part.items()}
 
 
+def latest_tag(run_dir: str) -> Optional[str]:
+    """The tag ``latest`` names (the last checkpoint marked complete), or None before the first."""
+    pointer = os.path.join(checkpoint_dir(run_dir), POINTER)
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as f:
+        return f.read().strip()
+
+
 def _read_sidecar(ckpt: str, tag: str) -> dict:
     path = os.path.join(ckpt, tag, SIDECAR)
     try:
@@ -201,10 +209,11 @@ def _read_sidecar(ckpt: str, tag: str) -> dict:
     return sidecar
 
 
-def _damage(ckpt: str, tag: str) -> Optional[str]:
+def _damage(ckpt: str, tag: str) -> tuple[Optional[str], Optional[dict]]:
     """What is wrong with checkpoint ``tag`` and the checkpoints it needs (its open levels'), each
-    rank checking a share of the files (collective); None when they are intact (or written before
-    checkpoints recorded their files)."""
+    rank checking a share of the files (collective): None when they are intact (or written before
+    checkpoints recorded their files); and the sidecar of ``tag`` where it could be read."""
+    sidecar = None
     try:
         sidecar = _read_sidecar(ckpt, tag)
         needed = [(tag, sidecar)] + [(t, _read_sidecar(ckpt, t)) for t in sidecar["state"]["open_levels"].values()]
@@ -221,25 +230,23 @@ def _damage(ckpt: str, tag: str) -> Optional[str]:
                 break
     problems = [None] * dist.get_world_size()
     dist.all_gather_object(problems, found)
-    return next((p for p in problems if p is not None), None)
+    return next((p for p in problems if p is not None), None), sidecar
 
 
 def read_resumable(run_dir: str, say: Callable[[str], None]) -> Optional[tuple[str, dict]]:
     """``(tag, sidecar)`` of the newest intact complete checkpoint (collective), or None for a fresh
     run. A damaged one is said in one line (``say``) and the one before it tried, down to the
     oldest; with none intact, ``CheckpointError``."""
-    ckpt = checkpoint_dir(run_dir)
-    pointer = os.path.join(ckpt, POINTER)
-    if not os.path.exists(pointer):
+    latest = latest_tag(run_dir)
+    if latest is None:
         return None
-    with open(pointer) as f:
-        latest = f.read().strip()
+    ckpt = checkpoint_dir(run_dir)
     older = sorted((t for t in os.listdir(ckpt) if re.fullmatch(r"phase\d+-step\d+", t) and t < latest
                     and os.path.exists(os.path.join(ckpt, t, SIDECAR))), reverse=True)
     for i, tag in enumerate([latest, *older]):
-        damage = _damage(ckpt, tag)
+        damage, sidecar = _damage(ckpt, tag)
         if damage is None:
-            return tag, _read_sidecar(ckpt, tag)
+            return tag, sidecar
         following = f"resuming from the one before, {older[i]}" if i < len(older) else "none is left"
         say(f"checkpoint {tag} is damaged ({damage}); {following}")
     raise CheckpointError(f"no intact checkpoint is left in {ckpt}: restore one, or remove the directory to "
@@ -249,16 +256,13 @@ def read_resumable(run_dir: str, say: Callable[[str], None]) -> Optional[tuple[s
 def read_latest(run_dir: str) -> Optional[tuple[str, dict]]:
     """``(tag, sidecar)`` of the last complete checkpoint, or None for a fresh run (its files
     unchecked: ``read_resumable`` checks them)."""
-    ckpt = checkpoint_dir(run_dir)
-    pointer = os.path.join(ckpt, POINTER)
-    if not os.path.exists(pointer):
+    tag = latest_tag(run_dir)
+    if tag is None:
         return None
-    with open(pointer) as f:
-        tag = f.read().strip()
     try:
-        return tag, _read_sidecar(ckpt, tag)
+        return tag, _read_sidecar(checkpoint_dir(run_dir), tag)
     except ValueError as e:
-        raise ValueError(f"{e}; remove {pointer} to start afresh") from None
+        raise ValueError(f"{e}; remove {os.path.join(checkpoint_dir(run_dir), POINTER)} to start afresh") from None
 
 
 def state_of(sidecar: dict) -> RunState:
@@ -294,15 +298,12 @@ def rotate(run_dir: str, state: RunState, keep: int) -> None:
         return
     ckpt = checkpoint_dir(run_dir)
     tags = sorted(t for t in os.listdir(ckpt) if t.startswith("phase") and os.path.isdir(os.path.join(ckpt, t)))
-    with open(os.path.join(ckpt, POINTER)) as f:
-        latest = f.read().strip()
+    latest = latest_tag(run_dir)
     kept = set(tags[-keep:]) | {latest}
     protected = kept | set(state.open_levels.values())
     for tag in kept:  # and what each kept checkpoint needs to resume (a fall back may resume from it)
-        sidecar = os.path.join(ckpt, tag, SIDECAR)
-        if os.path.exists(sidecar):
-            with open(sidecar) as f:
-                protected |= set(json.load(f)["state"]["open_levels"].values())
+        if os.path.exists(os.path.join(ckpt, tag, SIDECAR)):
+            protected |= set(_read_sidecar(ckpt, tag)["state"]["open_levels"].values())
     for tag in tags:
         if tag not in protected and tag < latest:
             shutil.rmtree(os.path.join(ckpt, tag), ignore_errors=True)
