@@ -165,6 +165,11 @@ LONG_CONTROLS=(
   "once: --recipe --methods coarse --coarse-lr-factor 0.5 --tag=-lr0.5 --fractions 1.0"
   "once: --recipe --methods coarse --coarse-lr-factor 2 --tag=-lr2 --fractions 1.0"
   "once: --recipe --fcycle-revisit 0.25 --tag=-revisit0.25 --fractions 1.0"
+  # the two results (F-cycle at 10%, one growth with the levers at 20%) and their controls, every
+  # seed: the first seed's runs are there already, a run directory per name, so these add the rest
+  "--recipe --methods coarse --fractions 1.0"
+  "--recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 1.0 0.8 0.6"
+  "--methods stacking --depth-scaling identity --coarse-share 0.2 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-share0.2 --fractions 1.0 0.8 0.6"
 )
 POINTS[long-4x64-18800]="--size cpu-4x64 --steps 18800"  # 81.3 tokens per parameter (2.3 epochs)
 LONG_POINTS=(long-4x64-4700 long-8x64-8600 long-4x64-18800)
