@@ -23,6 +23,7 @@ concerns nothing a CPU run does; ``quiet_library_notices`` drops it as well.
 
 import json
 import logging
+import os
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Any
@@ -61,7 +62,13 @@ def quiet_library_notices() -> None:
 
     Call it before Megatron-Core or DeepSpeed is imported: torch's extension builder logs its notice
     once, when either first imports it. The filters sit on the loggers themselves, which exist
-    before the modules that log through them are imported."""
+    before the modules that log through them are imported. Without a GPU it also names DeepSpeed's
+    accelerator (``DS_ACCELERATOR=cpu``, inherited by the ranks a tool spawns)."""
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():  # as the launcher does: DeepSpeed told, not warning on every rank
+            os.environ["DS_ACCELERATOR"] = "cpu"
     for name, start in KNOWN_NOTICES.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNotice) and f.start == start for f in logger.filters):

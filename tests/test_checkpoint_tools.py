@@ -76,7 +76,7 @@ def test_to_full_from_zero3_and_tensor_parallel(run, tmp_path):
 def test_reshard_then_continue_training(run, tmp_path):
     resharded = tmp_path / "run_tp2"
     out = ok(convert("reshard", run["dir"], resharded, "--target-tp", 2))
-    assert "loaded as the trainer does (TP=2)" in out
+    assert "loaded as the trainer does (TP=2, 2 rank(s))" in out
     # the weights survive resharding bit for bit, at both checkpoints the run needs
     ok(convert("to-full", run["dir"], tmp_path / "a"))
     ok(convert("to-full", resharded, tmp_path / "b"))

@@ -1,7 +1,7 @@
 """Convert checkpoints: consolidate, reshard, apply the operators offline, exchange with Hugging Face.
 
     python tools/convert_checkpoint.py to-full runs/gpt out/gpt_full                 # any TP, any ZeRO stage
-    python tools/convert_checkpoint.py reshard runs/gpt runs/gpt_tp2 --target-tp 2   # then continue training
+    python tools/convert_checkpoint.py reshard runs/gpt runs/gpt_tp2 --target-tp 2 --num-gpus 16 [--zero-stage 3]
     python tools/convert_checkpoint.py coalesce out/gpt_full out/gpt_coarse [--no-depth] [--width-pairing adjacent]
     python tools/convert_checkpoint.py decoalesce out/gpt_coarse out/gpt_fine        # reuses the recorded grouping
     python tools/convert_checkpoint.py interpolate out/gpt_fine out/gpt_mix --alpha 0.5 --with out/gpt_full
@@ -41,12 +41,19 @@ def parse_args(argv=None):
         c.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
         return c
 
+    def num_gpus(c, help_):
+        c.add_argument("--num-gpus", "--num_gpus", type=int, default=None, help=help_)
+
     def fmt(c):
         c.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
 
     fmt(command("to-full", "a DeepSpeed checkpoint -> one consolidated fp32 checkpoint"))
-    c = command("reshard", "a run -> the same run at another tensor-parallel size")
-    c.add_argument("--target-tp", "--target_tp", type=int, required=True)
+    c = command("reshard", "a run -> the same run, optimizer included, at another TP size, number of ranks or ZeRO stage")
+    c.add_argument("--target-tp", "--target_tp", type=int, default=None,
+                   help="every level's tensor-parallel size (default: the run's)")
+    num_gpus(c, "the ranks the run continues on (default: the run's, where the TP sizes divide it)")
+    c.add_argument("--zero-stage", "--zero_stage", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="every level's ZeRO stage (default: the run's)")
     c = command("coalesce", "a checkpoint -> its coalesced (coarser) model")
     fmt(c)
     c.add_argument("--no-width", "--no_width", dest="width", action="store_false")
@@ -68,6 +75,7 @@ def parse_args(argv=None):
                    help="a SentencePiece model or Hugging Face tokenizer directory (default: the one the source records)")
     c = command("init-run", "a checkpoint -> a run directory whose training starts from it")
     c.add_argument("--config", required=True, help="the run config (its model block must match the checkpoint)")
+    num_gpus(c, "the ranks the run will train on (default: its first level's TP size); ZeRO partitions follow it")
     fmt(command("from-hf", "a Hugging Face transformers checkpoint -> a consolidated checkpoint"))
     return p.parse_args([a.replace("_", "-") if a in ("to_full", "to_hf", "from_hf", "init_run") else a for a in (argv or sys.argv[1:])])
 
@@ -87,7 +95,8 @@ def main(argv=None) -> int:
         if args.command == "to-full":
             convert.to_full(args.source, args.output, fmt=args.format, overwrite=args.overwrite)
         elif args.command == "reshard":
-            reshard(args.source, args.output, target_tp=args.target_tp, overwrite=args.overwrite)
+            reshard(args.source, args.output, target_tp=args.target_tp, num_gpus=args.num_gpus,
+                    zero_stage=args.zero_stage, overwrite=args.overwrite)
         elif args.command == "coalesce":
             convert.coalesce_checkpoint(
                 args.source, args.output, width=args.width, depth=args.depth, width_pairing=args.width_pairing,
@@ -104,7 +113,7 @@ def main(argv=None) -> int:
         elif args.command == "init-run":
             from megatron_multilevel.checkpoints.init_run import init_run
 
-            init_run(args.source, args.config, args.output, overwrite=args.overwrite)
+            init_run(args.source, args.config, args.output, num_gpus=args.num_gpus, overwrite=args.overwrite)
         else:
             convert.from_hf(args.source, args.output, fmt=args.format, overwrite=args.overwrite)
     except ValueError as e:

@@ -2,7 +2,8 @@
 
 The weights are written as the run's first checkpoint (phase 0, step 0: the fine model, a fresh
 optimizer, the schedule at its start) in the layout the config asks for, with the sidecar the
-trainer writes; launching the config then resumes from it, so the V-cycle (or the baseline) starts
+trainer writes, for the number of ranks the run will have (``num_gpus``: ZeRO partitions follow
+it); launching the config then resumes from it, so the V-cycle (or the baseline) starts
 from these weights instead of a random initialisation. Like every conversion, the checkpoint is
 loaded the way the trainer loads it and its logits compared with the source's before success.
 """
@@ -10,6 +11,7 @@ loaded the way the trainer loads it and its logits compared with the source's be
 import dataclasses
 import json
 import os
+from typing import Optional
 
 from megatron_multilevel.checkpoints import verify
 from megatron_multilevel.checkpoints.convert import load_source
@@ -19,14 +21,21 @@ from megatron_multilevel.config import config_to_dict, load_config
 from megatron_multilevel.level_maps import run_level_maps
 from megatron_multilevel.parallel.spawn import run_ranks
 from megatron_multilevel.training.checkpoint import RunState
+from megatron_multilevel.training.engines import LevelEngines
 from megatron_multilevel.training.schedule import build_phases, schedule_signature
 
 
-def init_run(src: str, config_path: str, out: str, *, overwrite: bool = False) -> None:
+def init_run(src: str, config_path: str, out: str, *, num_gpus: Optional[int] = None, overwrite: bool = False) -> None:
     with open(config_path) as f:
         config = json.load(f)
     config.setdefault("training", {})["output_dir"] = os.path.abspath(out)
     cfg = load_config(config)
+    tp = cfg.level_tp_sizes()[0]
+    world = tp if num_gpus is None else num_gpus
+    try:
+        LevelEngines(cfg, world)  # every level's TP size and the batch fit the ranks
+    except ValueError as e:
+        raise ValueError(f"--num-gpus {world}: {e}") from None
     if cfg.multilevel.enabled and cfg.multilevel.strategy != "coalesce":
         raise ValueError(f"init-run starts runs of multilevel.strategy 'coalesce' or the baseline; "
                          f"got {cfg.multilevel.strategy!r}")
@@ -47,12 +56,11 @@ def init_run(src: str, config_path: str, out: str, *, overwrite: bool = False) -
     item = {"tensors": source.tensors, "state": dataclasses.asdict(RunState()), "meta": meta, "latest": True,
             "path": os.path.abspath(src)}
     tokens = verify.fixed_tokens(source.model)
-    tp = cfg.level_tp_sizes()[0]
     os.makedirs(out, exist_ok=True)
-    logits = run_ranks(rank_worker, tp, config_to_dict(cfg), os.path.abspath(out), [item], tokens,
-                       tensor_model_parallel_size=tp)[0]
-    verify.finish_run(out, cfg, [("source", f"the run's first checkpoint, loaded as the trainer does (TP={tp})",
+    logits = run_ranks(rank_worker, world, config_to_dict(cfg), os.path.abspath(out), [item], tokens,
+                       tensor_model_parallel_size=tp)[0]["logits"]
+    verify.finish_run(out, cfg, [("source", f"the run's first checkpoint, loaded as the trainer does (TP={tp}, {world} rank(s))",
                                   verify.logits_full(source.tensors, source.model, tokens), logits)],
                       "the run's first checkpoint computes other logits than the source")
     print(f"wrote {out}: phase 0, step 0 holds the source's weights; train with\n"
-          f"  launch/pretrain_vcycle.sh {os.path.join(out, 'config.json')}" + (f" --num_gpus {tp}" if tp > 1 else ""))
+          f"  launch/pretrain_vcycle.sh {os.path.join(out, 'config.json')}" + (f" --num_gpus {world}" if world > 1 else ""))

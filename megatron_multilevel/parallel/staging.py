@@ -92,20 +92,25 @@ def snapshot_group(local: bool):
 def load_moments(engine, staged: Staged) -> None:
     """Load staged optimizer moments (Adam's, or SGD's momentum) into a freshly initialised
     DeepSpeed engine (ZeRO 0-3)."""
-    if not staged.moments:
-        return
-    materialize_optimizer_state(engine.optimizer, tuple(staged.moments))
-    for key, snapshot in staged.moments.items():
-        writer = ModelWriter(
-            engine.module, staged.cfg, Groups.current(), local=staged.local,
-            optimizer=engine.optimizer, state_key=key,
-        )
-        copy_stream(snapshot, writer, staged.cfg.num_layers, cfg=staged.cfg)
-    if "exp_avg" not in staged.moments:
+    if staged.moments:
+        write_optimizer_state(engine, staged.cfg, staged.moments, staged.step, local=staged.local)
+
+
+def write_optimizer_state(engine, cfg: ModelConfig, readers: dict, step: int, *, local: bool = False) -> None:
+    """Write the optimizer state read from ``readers`` (a reader per state key: ``exp_avg``,
+    ``exp_avg_sq`` or ``momentum_buffer``; full tensors, or with ``local`` this rank's shards) into
+    a freshly initialised DeepSpeed engine (ZeRO 0-3) of a model of ``cfg``, with Adam's step count
+    ``step``."""
+    materialize_optimizer_state(engine.optimizer, tuple(readers))
+    for key, reader in readers.items():
+        writer = ModelWriter(engine.module, cfg, Groups.current(), local=local, optimizer=engine.optimizer,
+                             state_key=key)
+        copy_stream(reader, writer, cfg.num_layers, cfg=cfg)
+    if "exp_avg" not in readers:
         return  # SGD's momentum has no step count
     # Adam's bias correction continues from the step count the moments were built over.
     for state in inner_torch_optimizer(engine.optimizer).state.values():
-        state["step"] = torch.tensor(float(staged.step))
+        state["step"] = torch.tensor(float(step))
 
 
 def copy_stream(reader, writer, num_layers: int, *, cfg: Optional[ModelConfig] = None) -> None:

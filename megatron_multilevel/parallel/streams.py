@@ -385,3 +385,19 @@ class TensorsReader:
     def read_layer(self, layer: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
         prefix = layer_prefix(self.cfg, layer)
         return {name: self.tensors[prefix + name] for name in names}
+
+
+class TensorsWriter:
+    """Full tensors collected in memory (the inverse of :class:`TensorsReader`), behind the writer
+    interface: what a reader of a live model, copied into it, holds as a consolidated state."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg, self.tensors = cfg, {}
+
+    def write_model(self, values: dict[str, torch.Tensor], rows: Optional[Rows] = None) -> None:
+        assert rows is None, "collected whole"
+        self.tensors.update(values)
+
+    def write_layer(self, layer: int, values: dict[str, torch.Tensor]) -> None:
+        prefix = layer_prefix(self.cfg, layer)
+        self.tensors.update({prefix + name: t for name, t in values.items()})

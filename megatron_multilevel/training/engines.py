@@ -67,6 +67,26 @@ class LevelEngines:
         stage = self.ds_config(level, 1.0).get("zero_optimization", {}).get("stage", 0)
         return Layout(self.tp_sizes[level], int(stage))
 
+    def layout_change(self, saved: "LevelEngines") -> Optional[str]:
+        """How the layout of the run ``saved`` was written in differs from this one, where its
+        checkpoints cannot be loaded here (``None`` where they can): a tensor-parallel size or a
+        ZeRO stage changed, or, under ZeRO, the number of data-parallel ranks its partitions follow."""
+        for level in range(len(self.tp_sizes)):
+            ours, theirs = self.layout(level), saved.layout(level)
+            dp_ours, dp_theirs = self.data_parallel_size(level), saved.data_parallel_size(level)
+            if ours != theirs or (ours.zero_stage and dp_ours != dp_theirs):
+                def say(layout, dp):
+                    return f"TP={layout.tensor_model_parallel_size}, ZeRO stage {layout.zero_stage}, DP={dp}"
+                return f"level {level}: {say(theirs, dp_theirs)} there, {say(ours, dp_ours)} here"
+        return None
+
+    def reshard_flags(self) -> str:
+        """The options of ``convert_checkpoint.py reshard`` that write a run for this layout."""
+        levels = range(len(self.tp_sizes))
+        tps, stages = set(self.tp_sizes), {self.layout(level).zero_stage for level in levels}
+        return " ".join([f"--num-gpus {self.world_size}"] + [f"--target-tp {tp}" for tp in tps if len(tps) == 1]
+                        + [f"--zero-stage {stage}" for stage in stages if len(stages) == 1])
+
     def params_dtype(self, level: int) -> torch.dtype:
         ds = self.ds_config(level, 1.0)
         if ds.get("bf16", {}).get("enabled"):

@@ -19,7 +19,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from megatron_multilevel.config import RunConfig, config_to_dict
+from megatron_multilevel.config import RunConfig, config_to_dict, load_config
 from megatron_multilevel.data.datasets import build_data
 from megatron_multilevel.data.tokenizer import keep_tokenizer
 from megatron_multilevel.flops import flops_per_token
@@ -72,6 +72,11 @@ class Trainer:
         if saved is not None and saved != self._config_phases():
             raise ValueError(f"the checkpoint in {self.ctx.run_dir} follows a different schedule; "
                              f"use another training.output_dir")
+        change = self.levels.layout_change(LevelEngines(load_config(sidecar["config"]), sidecar["world_size"]))
+        if change is not None:
+            raise ValueError(f"the checkpoint {sidecar['tag']} in {self.ctx.run_dir} was written in another layout "
+                             f"({change}); reshard the run for this one first: python tools/convert_checkpoint.py "
+                             f"reshard {self.ctx.run_dir} NEW_RUN_DIR {self.levels.reshard_flags()}")
 
     def _say(self, line: str) -> None:
         """A line on the console before the run's metrics exist (rank 0)."""
