@@ -50,7 +50,7 @@ ACCEPTED = {
         "tensor_model_parallel_size", "visits",
     ],
     VisitConfig: ["lr", "steps"],
-    LRConfig: ["decay", "min_ratio", "peak", "warmup_steps"],
+    LRConfig: ["decay", "decay_fraction", "min_ratio", "peak", "warmup_steps"],
     DataConfig: [
         "blend", "cache_dir", "masking_probability", "num_workers", "prefix", "seq_length",
         "short_sequence_probability", "split", "tokenizer_model", "valid_seed",
@@ -214,7 +214,7 @@ def test_continued_schedule_needs_one_decay():
                        {"steps_before": coarse_steps, "lr_before": coarse_lr}]}}
 
     load_config(config(cosine))
-    with pytest.raises(ValueError, match=r"the first phase \(level 0\) has decay 'cosine', min_ratio 0.1; "
+    with pytest.raises(ValueError, match=r"the first phase \(level 0\) has decay 'cosine', min_ratio 0.1, decay_fraction 1.0; "
                                          r"phase 1 \(coarsest, level 1\) has decay 'linear'"):
         load_config(config(linear))
     ode = {"train_batch_size": 4, "multilevel": {

@@ -311,6 +311,26 @@ def test_recipe_flag_sets_the_recipe_and_yields_to_flags_given():
     assert plain["vcycle2"]["multilevel"]["depth_pairing"] == "adjacent"  # without --recipe: the paper's
 
 
+def test_scratch_schedules_are_baseline_candidates():
+    """``--scratch-decay-fraction``: training from scratch with warm-up, a stable peak and a decay over
+    the last share of the steps, named apart, a candidate for the best baseline as every rate is."""
+    from megatron_multilevel.config import load_config
+    from megatron_multilevel.training.schedule import build_phases, lr_factor
+
+    tool = _tool()
+    args = tool.parse_args(tool.build_parser(), ["--size", "tiny", "--steps", "100", "--methods", "stacking",
+                                                 "--scratch-lr", "0.002", "0.004", "--scratch-decay-fraction", "1", "0.25"])
+    made = tool.variants(args, tool.base_config(args))
+    assert sorted(made) == ["scratch", "scratch-lr0.004", "scratch-lr0.004-wsd0.25", "scratch-wsd0.25", "stacking"]
+    phase, = build_phases(load_config(made["scratch-wsd0.25"]))
+    # 4 warm-up steps, the peak to step 75, a cosine over the last 24 (round(0.25 * 96))
+    factors = [lr_factor(s, phase.steps, phase.lr) for s in range(100)]
+    assert factors[3:76] == [1.0] * 73 and 1.0 > factors[77] > factors[98]
+    assert tool.family("scratch-lr0.004-wsd0.25") == "scratch"
+    with pytest.raises(SystemExit):
+        tool.parse_args(tool.build_parser(), ["--size", "tiny", "--scratch-decay-fraction", "0"])
+
+
 def test_normalised_wall_clock_by_hand():
     tool = _tool()
     times = {"8x256": {"seconds_per_step": 1.0}, "4x128": {"seconds_per_step": 0.25}}

@@ -165,6 +165,23 @@ def test_lr_factor_by_hand():
     assert lr_factor(0, 10, LRConfig(decay="cosine")) == 1.0
 
 
+def test_warmup_stable_decay_by_hand():
+    """``decay_fraction`` 0.25 over 12 steps after 4 of warm-up: the peak up to step 12, then a linear
+    decay over the last 3 steps (round(0.25 * 12)), progress (step - 13) / 3, each worked out by hand."""
+    wsd = LRConfig(warmup_steps=4, decay="linear", min_ratio=0.4, decay_fraction=0.25)
+    assert [lr_factor(s, 16, wsd) for s in range(17)] == pytest.approx(
+        [0.25, 0.5, 0.75, 1.0] + [1.0] * 9 + [1.0, 0.8, 0.6, 0.4])
+    # cosine: step 14 is a third of the way, cos(pi/3) = 0.5: 0.1 + 0.9 * 0.75 = 0.775
+    assert lr_factor(14, 16, LRConfig(warmup_steps=4, decay_fraction=0.25)) == pytest.approx(0.775)
+    # 1: the decay starts right after warm-up (the schedule without the key)
+    full = LRConfig(warmup_steps=2, decay_fraction=1.0)
+    assert [lr_factor(s, 10, full) for s in range(10)] == [lr_factor(s, 10, LRConfig(warmup_steps=2))
+                                                           for s in range(10)]
+    for bad in (0.0, 1.5, True):
+        with pytest.raises(ValueError, match="lr.decay_fraction must be in"):
+            LRConfig(decay_fraction=bad)
+
+
 def _run_cosine(step: int, total: int, warmup: int = 0, min_ratio: float = 0.1) -> float:
     """The run-wide schedule worked out by hand: linear warm-up, then cosine to ``min_ratio``."""
     if step < warmup:

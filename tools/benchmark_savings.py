@@ -144,10 +144,14 @@ def variants(args, base: dict) -> dict[str, dict]:
                   after_warmup=after_warmup, budget=args.budget, perturbation_std=args.perturbation)
     out = {}
     for lr in args.scratch_lr or [fine_lr(args)]:
-        # the size's own rate is plain "scratch" (every earlier result's name), any other is named
-        # (also under --fine-lr: one name, one config, whatever the other methods' rate)
-        name = "scratch" if lr == size["fine_lr"] else f"scratch-lr{lr:g}"
-        out[name] = variant_configs(base, fine_lr=lr, methods=[], **common)["scratch"]
+        for decay in args.scratch_decay_fraction:
+            # the size's own rate is plain "scratch" (every earlier result's name), any other is named
+            # (also under --fine-lr: one name, one config, whatever the other methods' rate); so is
+            # a decay over the last part of the steps only (warm-up, stable, decay)
+            name = "scratch" if lr == size["fine_lr"] else f"scratch-lr{lr:g}"
+            name += "" if decay == 1.0 else f"-wsd{decay:g}"
+            out[name] = variant_configs(base, fine_lr=lr, methods=[], **common)["scratch"]
+            out[name]["training"]["lr"]["decay_fraction"] = decay
     given = dict(fine_lr=fine_lr(args), ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
                  depth_scaling=args.depth_scaling, shape=args.shape, depth_pairing=args.depth_pairing,
                  fcycle_revisit=args.fcycle_revisit, optimizer_state=args.optimizer_state,
@@ -523,6 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also the 2-level V-cycle with the paper's E_a (5%%) and depth operators")
     p.add_argument("--scratch-lr", "--scratch_lr", type=float, nargs="*", default=None,
                    help="tune the baseline: one scratch run per peak learning rate (the best is the baseline)")
+    p.add_argument("--scratch-decay-fraction", "--scratch_decay_fraction", type=float, nargs="+", default=[1.0],
+                   help="training from scratch with its decay over this share of the steps after warm-up, the peak "
+                        "held before it (warm-up, stable, decay); several: each is run, the best is the baseline")
     p.add_argument("--fine-lr", "--fine_lr", type=float, default=None,
                    help="the full model's peak learning rate of every method (default: the size's)")
     p.add_argument("--evals", type=int, default=12, help="validation points per run")
@@ -552,6 +559,8 @@ def parse_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
         args = p.parse_args(argv)
     if bool(args.data_prefix) != bool(args.tokenizer_model):
         p.error("--data-prefix and --tokenizer-model go together")
+    if not all(0.0 < f <= 1.0 for f in args.scratch_decay_fraction):
+        p.error(f"--scratch-decay-fraction: each must be in (0, 1], got {args.scratch_decay_fraction}")
     return args
 
 

@@ -98,7 +98,7 @@ class RunConfig:
 
     def _check_continued_schedule(self) -> None:
         """``lr_schedule = "continue"`` runs one schedule over the whole run: every phase that trains
-        needs the first one's decay and min_ratio."""
+        needs the first one's decay, min_ratio and decay_fraction."""
         ml = self.multilevel
         if not (ml.enabled and ml.lr_schedule == "continue"):
             return
@@ -106,12 +106,14 @@ class RunConfig:
         assert trained, "a multilevel run trains"
         first = trained[0][1]
         for i, p in trained[1:]:
-            if (p.lr.decay, p.lr.min_ratio) != (first.lr.decay, first.lr.min_ratio):
+            if (p.lr.decay, p.lr.min_ratio, p.lr.decay_fraction) != (first.lr.decay, first.lr.min_ratio,
+                                                                       first.lr.decay_fraction):
+                def shape(lr):
+                    return f"decay {lr.decay!r}, min_ratio {lr.min_ratio}, decay_fraction {lr.decay_fraction}"
                 raise ValueError(
                     f"multilevel.lr_schedule = \"continue\" runs one schedule over the whole run, so every phase "
-                    f"needs the same lr decay and min_ratio: the first phase (level {first.level}) has "
-                    f"decay {first.lr.decay!r}, min_ratio {first.lr.min_ratio}; phase {i} ({p.name}, level "
-                    f"{p.level}) has decay {p.lr.decay!r}, min_ratio {p.lr.min_ratio}. Make them equal, or use "
+                    f"needs the same lr decay, min_ratio and decay_fraction: the first phase (level {first.level}) "
+                    f"has {shape(first.lr)}; phase {i} ({p.name}, level {p.level}) has {shape(p.lr)}. Make them equal, or use "
                     f"lr_schedule \"restart\" (valid choices: restart, continue)"
                 )
 

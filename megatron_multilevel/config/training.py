@@ -18,6 +18,10 @@ class LRConfig:
     """Decay from ``peak`` to ``peak * min_ratio`` over the rest of the phase."""
     min_ratio: float = 0.1
     """Final learning rate as a fraction of ``peak``."""
+    decay_fraction: float = 1.0
+    """The share of the steps after warm-up that the decay takes, at the end; before it the rate
+    stays at ``peak`` (1: the decay starts right after warm-up; below 1: warm-up, stable, decay,
+    as MiniCPM and DeepSeek schedule pretraining). Ignored by ``constant``."""
 
     def __post_init__(self):
         if self.peak <= 0:
@@ -26,6 +30,8 @@ class LRConfig:
             raise ValueError(f"lr.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_ratio <= 1.0:
             raise ValueError(f"lr.min_ratio must be in [0, 1], got {self.min_ratio}")
+        if isinstance(self.decay_fraction, bool) or not 0.0 < self.decay_fraction <= 1.0:
+            raise ValueError(f"lr.decay_fraction must be in (0, 1], got {self.decay_fraction!r}")
 
 
 

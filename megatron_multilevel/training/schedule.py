@@ -89,7 +89,8 @@ def _continued(phases: list[Phase]) -> list[Phase]:
     trained = [p for p in phases if p.steps]
     assert trained, "a multilevel run trains"
     first = trained[0].lr
-    assert all((p.lr.decay, p.lr.min_ratio) == (first.decay, first.min_ratio) for p in trained), phases
+    assert all((p.lr.decay, p.lr.min_ratio, p.lr.decay_fraction) == (first.decay, first.min_ratio, first.decay_fraction)
+               for p in trained), phases
     total, before, out = sum(p.steps for p in phases), 0, []
     for p in phases:
         out.append(dataclasses.replace(p, run_schedule=(before, total, first)))
@@ -104,7 +105,8 @@ def lr_factor(step: int, total: int, lr: LRConfig) -> float:
     if lr.decay == "constant":
         return 1.0
     span = max(1, total - lr.warmup_steps)
-    progress = min(1.0, (step - lr.warmup_steps) / span)
+    decay = max(1, round(lr.decay_fraction * span))  # the last steps of the span; before them: the peak
+    progress = min(1.0, max(0, step - lr.warmup_steps - (span - decay)) / decay)
     if lr.decay == "linear":
         shape = 1.0 - progress
     else:
