@@ -235,12 +235,29 @@ BERT=(
   "$STACK_LEVERS $FRACTIONS"
   "--methods stacking --depth-scaling ode $FRACTIONS"
 )
+# The ODE strategy again (docs/benchmarks.md, "The ODE strategy, measured again"): the paper's model
+# and optimizer (SGD), against the best-tuned baseline: training from scratch by SGD and by AdamW,
+# each at three rates, with one cosine decay over the run or the peak held and the decay over the
+# last third (the shape of the ODE runs' schedule), and the control (the coarse model alone); then
+# the paper's own form (4 cycles alternating the even and odd coarse models) without and with the
+# corrected coherence (adjoint restriction, v averaged over 4 batches), the coarse-first form
+# (interleaved depth growth) and stacking at its share, at the budget fractions.
+ODE=(
+  "once: --methods coarse --scratch-lr 0.05 0.1 0.2 --scratch-decay-fraction 1 0.33 --fractions 1.0"
+  "once: --methods coarse --scratch-optimizer adamw --scratch-lr 0.0005 0.001 0.002 --scratch-decay-fraction 1 0.33 --fractions 1.0"
+  "--methods ode2 --ea 0.1 --ode coherence=none --tag=-nocoherence $FRACTIONS"
+  "--methods ode2 --ea 0.1 --ode coherence=first_order coherence_batches=4 --tag=-coherence4 $FRACTIONS"
+  "--methods ode2 --ea 0 --coarse-share 0.8 --lr-schedule continue --ode coherence=none cycles=1 prolongation=constant optimizer_state=map --tag=-first-constant-map $FRACTIONS"
+  "--methods stacking --depth-scaling identity --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue $FRACTIONS"
+)
+POINTS[ode-12x256-480]="--size ode-paper --steps 480"
 POINTS[bert-8x256-480]="--size cpu-bert --steps 480"
 POINTS[bert-8x256-1920]="--size cpu-bert --steps 1920"
 
 recipes_of() {  # the recipe lines of a point
   case "$1" in
     bert-*) printf '%s\n' "${BERT[@]}" ;;
+    ode-*) printf '%s\n' "${ODE[@]}" ;;
     peers-4x64-18800) printf '%s\n' "${PEERS_LONG[@]}" ;;
     peers-*) printf '%s\n' "${PEERS[@]}" ;;
     ablation-8x256-480-b582310) printf '%s\n' "${ABLATION_B582310[@]}" ;;
@@ -258,7 +275,7 @@ if [[ "${1:-}" == "--seeds" ]]; then
 fi
 if [[ "${1:-}" == "--list" ]]; then
   for point in "${ORDER[@]}" ablation-8x256-480 ablation-8x256-480-b582310 "${LONG_POINTS[@]}" \
-      "${CONTROL_POINTS[@]}" peers-8x256-480 peers-4x64-18800 bert-8x256-480 bert-8x256-1920; do
+      "${CONTROL_POINTS[@]}" peers-8x256-480 peers-4x64-18800 bert-8x256-480 bert-8x256-1920 ode-12x256-480; do
     while IFS= read -r recipe; do
       echo "$point: ${POINTS[$point]} $recipe (seeds 1234 to $((1233 + ${SEEDS[$point]:-2})))"
     done < <(recipes_of "$point")

@@ -329,6 +329,13 @@ def test_scratch_schedules_are_baseline_candidates():
     assert tool.family("scratch-lr0.004-wsd0.25") == "scratch"
     with pytest.raises(SystemExit):
         tool.parse_args(tool.build_parser(), ["--size", "tiny", "--scratch-decay-fraction", "0"])
+    # a size trained by SGD, its baseline also by AdamW: named apart, AdamW's rate the one given
+    args = tool.parse_args(tool.build_parser(), ["--size", "ode-paper", "--steps", "100", "--methods", "coarse",
+                                                 "--scratch-optimizer", "adamw", "--scratch-lr", "0.001"])
+    made = tool.variants(args, tool.base_config(args))
+    assert sorted(made) == ["coarse", "scratch-adamw-lr0.001"]
+    assert made["scratch-adamw-lr0.001"]["optimizer"]["type"] == "AdamW" and made["coarse"]["optimizer"]["type"] == "SGD"
+    assert load_config(made["scratch-adamw-lr0.001"]).level_deepspeed(0)["optimizer"]["params"]["lr"] == 0.001
 
 
 def test_normalised_wall_clock_by_hand():

@@ -77,6 +77,11 @@ SIZES = {
 }
 
 
+def adamw(lr: float) -> dict:
+    """The AdamW of every size that names no other optimizer."""
+    return {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.01, "torch_adam": True}}
+
+
 def base_config(args) -> dict:
     size = SIZES[args.size]
     if "config" in size:
@@ -87,9 +92,7 @@ def base_config(args) -> dict:
         base = {
             "train_batch_size": size["batch"],
             "gradient_clipping": 1.0,
-            "optimizer": size.get("optimizer") or {
-                "type": "AdamW", "params": {"lr": size["fine_lr"], "betas": [0.9, 0.95], "weight_decay": 0.01,
-                                            "torch_adam": True}},
+            "optimizer": size.get("optimizer") or adamw(size["fine_lr"]),
             "zero_optimization": {"stage": 0},
             "model": size["model"],
             "data": {"seq_length": size["seq"], "cache_dir": os.path.join(ROOT, ".cache", "megatron_multilevel")},
@@ -148,9 +151,11 @@ def variants(args, base: dict) -> dict[str, dict]:
             # the size's own rate is plain "scratch" (every earlier result's name), any other is named
             # (also under --fine-lr: one name, one config, whatever the other methods' rate); so is
             # a decay over the last part of the steps only (warm-up, stable, decay)
-            name = "scratch" if lr == size["fine_lr"] else f"scratch-lr{lr:g}"
+            other = args.scratch_optimizer == "adamw" and "optimizer" in size  # a size of SGD trained by AdamW
+            name = "scratch" if lr == size["fine_lr"] and not other else f"scratch{'-adamw' * other}-lr{lr:g}"
             name += "" if decay == 1.0 else f"-wsd{decay:g}"
-            out[name] = variant_configs(base, fine_lr=lr, methods=[], **common)["scratch"]
+            out[name] = variant_configs({**base, "optimizer": adamw(lr)} if other else base, fine_lr=lr, methods=[],
+                                        **common)["scratch"]
             out[name]["training"]["lr"]["decay_fraction"] = decay
     given = dict(fine_lr=fine_lr(args), ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
                  depth_scaling=args.depth_scaling, shape=args.shape, depth_pairing=args.depth_pairing,
@@ -530,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scratch-decay-fraction", "--scratch_decay_fraction", type=float, nargs="+", default=[1.0],
                    help="training from scratch with its decay over this share of the steps after warm-up, the peak "
                         "held before it (warm-up, stable, decay); several: each is run, the best is the baseline")
+    p.add_argument("--scratch-optimizer", "--scratch_optimizer", choices=["size", "adamw"], default="size",
+                   help="training from scratch with the size's optimizer, or with AdamW at the --scratch-lr rates "
+                        "(a size of SGD: both candidates for the best baseline)")
     p.add_argument("--fine-lr", "--fine_lr", type=float, default=None,
                    help="the full model's peak learning rate of every method (default: the size's)")
     p.add_argument("--evals", type=int, default=12, help="validation points per run")
