@@ -35,7 +35,8 @@ ACCEPTED = {
     ],
     MultilevelConfig: [
         "alpha", "coalesce_depth", "coalesce_width", "depth_pairing", "depth_scaling", "enabled",
-        "cycle", "growth_mask_steps", "interpolation", "keep_fine", "levels", "lr_schedule", "num_levels", "ode",
+        "cycle", "growth_mask_steps", "growth_operator", "interpolation", "keep_fine", "levels", "ligo_lr", "ligo_steps",
+        "lr_schedule", "num_levels", "ode",
         "optimizer_state", "perturbation_std", "strategy",
         "width_pairing",
     ],

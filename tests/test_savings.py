@@ -132,7 +132,10 @@ def _budget(cfg):
     models = parsed.level_models()
     seq = parsed.data.seq_length
     phases = build_phases(parsed)
-    return sum(p.steps for p in phases), sum(p.steps * flops_per_token(models[p.level], seq) for p in phases)
+    ml = parsed.multilevel
+    ligo = ml.ligo_steps if ml.enabled and ml.growth_operator == "ligo" else 0  # full-model steps of its operator
+    return (sum(p.steps for p in phases),
+            sum(p.steps * flops_per_token(models[p.level], seq) for p in phases) + ligo * flops_per_token(models[0], seq))
 
 
 BASE = {"train_batch_size": 8, "model": {"num_layers": 8, "hidden_size": 64, "num_attention_heads": 4,
@@ -145,7 +148,7 @@ def test_variants_share_the_token_budget():
     configs = variant_configs(BASE, steps=100, fine_lr=1e-3, budget="tokens")
     assert {name: _budget(cfg)[0] for name, cfg in configs.items()} == {
         "scratch": 100, "coarse": 100, "vcycle2": 100, "vcycle3": 100, "wcycle2": 100, "fcycle2": 100,
-        "stacking": 100, "stacking3": 100, "gstack": 100, "msg": 100, "bert2bert": 100, "ode2": 100}
+        "stacking": 100, "stacking3": 100, "gstack": 100, "msg": 100, "ligo": 100, "bert2bert": 100, "ode2": 100}
     stack = load_config(configs["stacking"])
     assert stack.multilevel.cycle == "grow" and stack.level_models()[1].num_layers == 4
     assert stack.level_models()[1].hidden_size == 64

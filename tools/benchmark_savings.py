@@ -163,6 +163,7 @@ def variants(args, base: dict) -> dict[str, dict]:
                  after_lr_factor=args.after_lr_factor, ode=ode_overrides(args.ode), lr_schedule=args.lr_schedule,
                  interpolation=args.interpolation, gstack_factor=args.gstack_factor,
                  gstack_share=gstack_share(args, base, steps), msg_mask_share=args.msg_mask_share,
+                 ligo_share=args.ligo_share,
                  methods=[m for m in METHODS if m != "ode2" or m in args.methods], **common)
 
     def methods(**change) -> dict[str, dict]:
@@ -412,7 +413,8 @@ def best_scratch(results: list[dict]) -> str:
 
 
 def family(name: str) -> str:
-    for prefix in ("scratch", "coarse", "vcycle", "wcycle", "fcycle", "ode", "stacking", "gstack", "msg", "bert2bert"):
+    for prefix in ("scratch", "coarse", "vcycle", "wcycle", "fcycle", "ode", "stacking", "gstack", "msg", "ligo",
+                   "bert2bert"):
         if name.startswith(prefix):
             return prefix
     raise AssertionError(f"method {name!r} has no family")
@@ -520,6 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ode", nargs="*", default=[], metavar="KEY=VALUE",
                    help="ode2: keys of its multilevel.ode block, e.g. coherence=none cycles=8 optimizer_state=map")
     p.add_argument("--perturbation", type=float, default=0.0, help="multilevel.perturbation_std of the cycles")
+    p.add_argument("--ligo-share", "--ligo_share", type=float, default=0.01,
+                   help="ligo: share of the steps its depth operator trains (each a full model's step)")
     p.add_argument("--msg-mask-share", "--msg_mask_share", type=float, default=0.05,
                    help="msg: share of the steps over which the stacked layers are masked in (MSG's growth "
                         "time; default 0.05)")
@@ -616,8 +620,8 @@ def main(argv=None) -> int:
     return 0
 
 
-METHODS = ["coarse", "vcycle2", "vcycle3", "wcycle2", "fcycle2", "stacking", "stacking3", "gstack", "msg", "bert2bert",
-           "ode2"]
+METHODS = ["coarse", "vcycle2", "vcycle3", "wcycle2", "fcycle2", "stacking", "stacking3", "gstack", "msg", "ligo",
+           "bert2bert", "ode2"]
 
 
 def _reusable(path: str, version: str, config: dict) -> bool:

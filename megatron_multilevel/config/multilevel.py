@@ -15,7 +15,8 @@ STRATEGIES = ("coalesce", "ode")
 # MultilevelConfig keys that only the coalesce strategy reads (keep_fine and enabled serve both).
 COALESCE_ONLY_KEYS = ("num_levels", "coalesce_width", "coalesce_depth", "width_pairing", "depth_pairing",
                       "depth_scaling", "alpha", "interpolation", "cycle", "levels", "optimizer_state",
-                      "perturbation_std", "growth_mask_steps")
+                      "perturbation_std", "growth_mask_steps", "growth_operator", "ligo_steps", "ligo_lr")
+GROWTH_OPERATORS = ("copy", "ligo")
 
 
 @dataclass
@@ -146,6 +147,18 @@ class MultilevelConfig:
     the new layers enter gradually. 0: no mask. Depth growth only, and within the grown level's
     visit (the mask is not in the weights: a checkpoint written during the ramp computes the
     masked function in the trainer only)."""
+    growth_operator: Literal["copy", "ligo"] = "copy"
+    """How a level is grown in depth (the first arrival at it in an F- or grow cycle): ``copy``, the
+    de-coalescing (each coarse layer copied into its depth group, as ``depth_scaling`` says);
+    ``ligo``, LiGO's learned depth operator (Wang et al., ICLR 2023): every grown layer a linear
+    combination of the coarse layers, one coefficient per (grown layer, coarse layer, parameter of
+    the layer), started at the copy and trained for ``ligo_steps`` steps on the training batches
+    with the weights fixed, then the grown model trains as usual. Its steps count in FLOPs.
+    Width, where it grows too, is de-coalesced, not learned."""
+    ligo_steps: int = 100
+    """Steps that LiGO's depth operator is trained for (the paper's 100)."""
+    ligo_lr: float = 1e-3
+    """Adam's learning rate for LiGO's depth operator."""
     keep_fine: Literal["memory", "cpu", "disk"] = "memory"
     """Where the fine model is kept for interpolation while coarser levels train: sharded on the
     device, in host memory, or on disk under the run directory."""
@@ -183,6 +196,7 @@ class MultilevelConfig:
                 raise ValueError("multilevel.levels[-1].steps_after must be 0: the coarsest level trains steps_before")
             self._check_visits()
             self._check_growth_mask()
+            self._check_growth_operator()
             if self.cycle == "grow":
                 for i, level in enumerate(self.levels[:-1]):
                     if level.steps_before:
@@ -216,6 +230,30 @@ class MultilevelConfig:
                     f"multilevel.growth_mask_steps ({n}) is longer than the {spec.steps} steps of level "
                     f"{spec.level}'s visit after growth: the mask must reach 1 before the model leaves the level"
                 )
+
+    def grown_levels(self) -> list[int]:
+        """The levels that a transition grows (the first arrival at them in an F- or grow cycle)."""
+        return [spec.level for spec, how in zip(self.phase_specs(), arrivals(self.walk())) if how == "grow"]
+
+    def _check_growth_operator(self) -> None:
+        if self.growth_operator not in GROWTH_OPERATORS:
+            raise ValueError(f"multilevel.growth_operator: invalid value {self.growth_operator!r}; "
+                             f"valid choices are {list(GROWTH_OPERATORS)}")
+        if self.growth_operator == "copy":
+            return
+        n = self.ligo_steps
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"multilevel.ligo_steps must be a positive integer, got {n!r}")
+        if not self.ligo_lr > 0:
+            raise ValueError(f"multilevel.ligo_lr must be positive, got {self.ligo_lr!r}")
+        if not self.coalesce_depth:
+            raise ValueError("multilevel.growth_operator 'ligo' learns a depth operator; it needs coalesce_depth true")
+        if self.growth_mask_steps:
+            raise ValueError("multilevel.growth_operator 'ligo' and growth_mask_steps (MSG) both decide what the "
+                             "grown layers start from; use one of them")
+        if not self.grown_levels():
+            raise ValueError(f"multilevel.growth_operator 'ligo': cycle {self.cycle!r} grows no level (only the "
+                             f"first arrival at a level of cycle 'f' or 'grow' does); valid choices for it: 'copy'")
 
     def _check_ode_keys(self) -> None:
         defaults = MultilevelConfig()

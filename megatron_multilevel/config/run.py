@@ -83,6 +83,14 @@ class RunConfig:
         if self.multilevel.optimizer_state == "map":
             self._check_mapped_state()
         self._check_unused_rate()
+        ml = self.multilevel
+        if ml.enabled and ml.strategy == "coalesce" and ml.growth_operator == "ligo":
+            for level in ml.grown_levels():
+                stage = self.level_deepspeed(level).get("zero_optimization", {}).get("stage", 0)
+                if stage == 3:
+                    raise ValueError(f"multilevel.growth_operator 'ligo' trains its operator on the grown level's "
+                                     f"whole layers, which ZeRO-3 partitions; level {level} runs ZeRO stage 3 "
+                                     f"(valid choices there: 0, 1, 2)")
 
     def _check_unused_rate(self) -> None:
         """A multilevel run trains at its levels' schedules, not at ``optimizer.params.lr``: a rate

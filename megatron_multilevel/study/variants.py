@@ -15,7 +15,7 @@ from megatron_multilevel.flops import flops_per_token
 
 def compress(config: dict, fraction: float) -> dict:
     """``config`` with its whole schedule compressed to ``fraction`` of its steps: every phase,
-    and every warm-up, scaled by the same factor (rounded; a phase that had steps keeps at least
+    every warm-up and the growth's own steps (LiGO's operator, MSG's mask), scaled by the same factor (rounded; a phase that had steps keeps at least
     one), so the phases keep their proportions and each learning-rate schedule its shape."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"budget fraction must be in (0, 1], got {fraction}")
@@ -42,6 +42,9 @@ def compress(config: dict, fraction: float) -> dict:
         for key in ("fine_lr", "coarse_lr", "final_lr"):
             schedule(block.get(key))
         return out
+    for key in ("ligo_steps", "growth_mask_steps"):  # the growth's own steps, as the phases'
+        if ml.get(key):
+            ml[key] = scaled(ml[key])
     for level in ml["levels"]:
         for key in ("steps_before", "steps_after"):
             if level.get(key):
@@ -97,7 +100,8 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
                     fcycle_revisit: float = 0.25, optimizer_state: str = "reset",
                     after_lr_factor: float = 1.0, ode: "dict | None" = None, lr_schedule: str = "restart",
                     interpolation: str = "blend", gstack_factor: int = 4, gstack_share: "float | None" = None,
-                    msg_mask_share: float = 0.05, methods: "Sequence[str] | None" = None) -> dict[str, dict]:
+                    msg_mask_share: float = 0.05, ligo_share: float = 0.01,
+                    methods: "Sequence[str] | None" = None) -> dict[str, dict]:
     """Configs of the compared methods: training from scratch for ``steps`` global batches, and
     each other method within the same budget: the same training FLOPs (``budget="flops"``: the
     cheaper steps of coarse levels buy more steps at the fine level) or the same tokens
@@ -136,6 +140,9 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
       as MSG's code makes them; with ``optimizer_state`` map and ``lr_schedule`` continue the old
       layers keep their moments and the run one schedule, as published, but the new layers get
       copied moments where MSG starts them at zero);
+    - ``ligo``: LiGO's learned depth operator (Wang et al., ICLR 2023): ``stacking``'s schedule, the
+      growth's coefficients trained for ``ligo_share`` of the steps (``multilevel.growth_operator``),
+      those steps' FLOPs taken from the steps after growth;
     - ``bert2bert``: bert2BERT's growth (Chen et al., ACL 2022): the half-width, half-depth model
       (at the narrower models' rate) from scratch for ``coarse_share`` of the steps, grown in width
       by function-preserving copies (FPI: this project's width de-coalescing) and in depth by
@@ -241,6 +248,14 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
         raise ValueError(f"invalid msg_mask_share {msg_mask_share!r}: it must be in (0, {stack_after / steps:.3g}], "
                          f"within the {stack_after} steps after growth")
     msg = grow(stacking_levels, depth_scaling="none", growth_mask_steps=mask_steps)
+    # LiGO's learned depth operator on stacking's growth, trained ligo_share of the steps (each a
+    # full model's step: taken from the steps after growth under a FLOPs budget)
+    ligo_steps = max(1, round(ligo_share * steps))
+    ligo_after = stack_after - (ligo_steps if budget == "flops" else 0)
+    if (methods is None or "ligo" in methods) and not (ligo_share > 0 and ligo_after > 0):
+        raise ValueError(f"invalid ligo_share {ligo_share!r}: it must be positive and leave steps after growth")
+    ligo = grow([{**stacking_levels[0], "steps_after": ligo_after}, stacking_levels[1]],
+                growth_operator="ligo", ligo_steps=ligo_steps)
     # three-stage stacking (as Gong et al. grow BERT 3 -> 6 -> 12 layers): a quarter-depth model
     # from scratch for half the coarse steps, stacked to half depth for the other half, then to full
     r3_stack = _flops_ratios(base, {"num_levels": 3, "coalesce_width": False, "coalesce_depth": True})
@@ -288,7 +303,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     out = {"scratch": scratch, "coarse": _coarse_alone(scratch, steps if budget == "tokens" else int(steps / r2[1]),
                                                        coarse_lr, shape),
            "vcycle2": vcycle2, "vcycle3": vcycle3, "wcycle2": wcycle2, "fcycle2": fcycle2,
-           "stacking": stacking, "stacking3": stacking3, "gstack": gstack, "msg": msg, "bert2bert": bert2bert}
+           "stacking": stacking, "stacking3": stacking3, "gstack": gstack, "msg": msg, "ligo": ligo, "bert2bert": bert2bert}
     if methods is None or "ode2" in methods:
         out["ode2"] = _ode_variant(steps, fine_lr, ea=ea, coarse_share=coarse_share, budget=budget, r=r_stack[1],
                                    warmup=warmup, ode=ode, lr_schedule=lr_schedule, config=config)

@@ -12,10 +12,12 @@ import functools
 import gc
 from typing import Callable
 
+from megatron_multilevel.flops import flops_per_token
 from megatron_multilevel.parallel.staging import FineSnapshot, load_moments
 from megatron_multilevel.parallel.transition import coarsen, prolong, snapshot_level
 from megatron_multilevel.training import checkpoint
 from megatron_multilevel.training.context import RunContext, Transition
+from megatron_multilevel.training.ligo import learn_depth_operator
 from megatron_multilevel.training.schedule import Phase
 
 
@@ -52,6 +54,7 @@ class CoalesceCycle:
         level's engine is built); ``end_tag`` is the checkpoint at the end of ``phase``."""
         ctx, ml = self.ctx, self.ctx.cfg.multilevel
         mapped = self._mapped_state()
+        extra = 0.0
         old = release()
         build_target = functools.partial(ctx.levels.build_empty_model, nxt.level)
         if nxt.level > phase.level:
@@ -80,12 +83,33 @@ class CoalesceCycle:
             what = ("de-coalesced, grown" if before is None else "de-coalesced and interpolated"
                     if ml.interpolation == "blend" else "de-coalesced, coarse correction added")
             what += f" (alpha {alpha})"
+            if before is None and ml.growth_operator == "ligo":
+                extra, said = self._learn_growth(staged.model, nxt)
+                what += said
         checkpoint.crash_point(f"transition{nxt.index}")
         old = None
         gc.collect()
         engine = ctx.engine(staged.model, nxt)
         load_moments(engine, staged)
-        return Transition(engine, what)
+        return Transition(engine, what, extra_flops=extra)
+
+    def _learn_growth(self, model, nxt: Phase) -> tuple[float, str]:
+        """LiGO's depth operator trained on the grown ``model`` (``training/ligo.py``) on the batches
+        of the steps the grown level is about to train (they are seen again there): its FLOPs (each
+        step a forward and backward pass of the grown model) and what to say of it."""
+        from megatron.core import parallel_state as ps
+
+        ctx, ml = self.ctx, self.ctx.cfg.multilevel
+        start = ctx.state.global_step
+        losses = learn_depth_operator(
+            model, ctx.level_maps[nxt.level],
+            batch=lambda step, micro: ctx.batch(ctx.data.train, nxt.level, start + step, micro),
+            loss=lambda module, batch: ctx.loss(nxt.level, batch, module), steps=ml.ligo_steps, lr=ml.ligo_lr,
+            accumulation=ctx.levels.accumulation, tp_group=ps.get_tensor_model_parallel_group(),
+            dp_group=ps.get_data_parallel_group(),
+        )
+        flops = ml.ligo_steps * flops_per_token(ctx.levels.models[nxt.level], ctx.seq) * ctx.tokens_per_step
+        return flops, f", LiGO's depth operator trained {ml.ligo_steps} steps (loss {losses[0]:.4f} -> {losses[-1]:.4f})"
 
     def _snapshot_from_checkpoint(self, level: int, tag: str) -> FineSnapshot:
         """Rebuild the pre-coalescing snapshot of ``level`` from its checkpoint, saved at the end of

@@ -266,7 +266,7 @@ class Trainer:
         if done.extra_flops:
             self.ctx.state.counters["flops"] += done.extra_flops
             row["flops"] += done.extra_flops
-            row["extra_flops"] += done.extra_flops
+            row["extra_flops"] = row.get("extra_flops", 0.0) + done.extra_flops
         m = self.levels.models[nxt.level]
         self.ctx.metrics.say(
             f"level {phase.level} -> {nxt.level}: {done.what} in {seconds:.2f} s; now {m.num_layers} layers, "
