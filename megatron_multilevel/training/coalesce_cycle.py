@@ -53,8 +53,8 @@ class CoalesceCycle:
         over the current engine (its holder keeps no reference, so that it is freed before the next
         level's engine is built); ``end_tag`` is the checkpoint at the end of ``phase``."""
         ctx, ml = self.ctx, self.ctx.cfg.multilevel
+        extra = 0.0  # FLOPs beyond the phases' steps (LiGO's operator)
         mapped = self._mapped_state()
-        extra = 0.0
         old = release()
         build_target = functools.partial(ctx.levels.build_empty_model, nxt.level)
         if nxt.level > phase.level:
