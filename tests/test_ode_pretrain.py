@@ -399,7 +399,7 @@ def test_checkpoint_tools_on_a_coarse_phase(corpus, tmp_path):
     fine = tool("convert_checkpoint.py", "to-full", ckpts / "phase03-step0000002", tmp_path / "fine_full")
     assert fine.returncode == 0, fine.stderr[-3000:]
     assert "ode_selection" not in json.loads(tool("inspect_checkpoint.py", tmp_path / "fine_full", "--json").stdout)
-    out = tool("convert_checkpoint.py", "reshard", tmp_path / "run", tmp_path / "tp1", "--target-tp", 1)
+    out = tool("convert_checkpoint.py", "reshard", tmp_path / "run", tmp_path / "tp1", "--target-tp", 1, "--num-gpus", 1)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "tp1" / "checkpoints" / "phase04-step0000002" / "coherence.pt").is_file()
     assert (tmp_path / "tp1" / "checkpoints" / "phase03-step0000002").is_dir()  # the fine model before the phase
