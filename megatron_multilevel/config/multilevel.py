@@ -12,6 +12,7 @@ from megatron_multilevel.config.training import LRConfig, PhaseSpec
 from megatron_multilevel.cycles import arrivals, visit_order
 
 STRATEGIES = ("coalesce", "ode")
+WIDTH_GROWTHS = ("fpi", "aki")
 # MultilevelConfig keys that only the coalesce strategy reads (keep_fine and enabled serve both).
 COALESCE_ONLY_KEYS = ("num_levels", "coalesce_width", "coalesce_depth", "width_pairing", "depth_pairing",
                       "depth_scaling", "alpha", "interpolation", "cycle", "levels", "optimizer_state",
