@@ -37,7 +37,7 @@ ACCEPTED = {
         "alpha", "coalesce_depth", "coalesce_width", "depth_pairing", "depth_scaling", "enabled",
         "cycle", "growth_mask_steps", "interpolation", "keep_fine", "levels", "lr_schedule", "num_levels", "ode",
         "optimizer_state", "perturbation_std", "strategy",
-        "width_pairing",
+        "width_growth", "width_pairing",
     ],
     OdeConfig: [
         "coarse", "coarse_deepspeed", "coarse_lr", "coarse_steps", "coarse_tensor_model_parallel_size", "coherence",
