@@ -12,14 +12,17 @@ and ``coalesce(decoalesce(x)) == x`` holds bit for bit: ``(a + a) / 2 == a`` and
 
 Depth: a coarse layer is the average of the (width-coalesced) layers of its group; de-coalescing
 copies it into each of them (``depth_scaling`` says how the residual branch is shared).
+
+Growth in width may instead draw the new units of each layer from the layer above (bert2BERT's
+AKI, :func:`decoalesce_tensor_aki`; not function-preserving, and not an inverse of coalescing).
 """
 
 from collections import defaultdict
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
-from megatron_multilevel.config import ModelConfig, check_alpha
+from megatron_multilevel.config import WIDTH_GROWTHS, ModelConfig, check_alpha
 from megatron_multilevel.level_maps import Grouping, LevelMap
 from megatron_multilevel.plan import (
     ParamRule,
@@ -98,6 +101,74 @@ def decoalesce_tensor(name: str, t: torch.Tensor, rule: ParamRule, level_map: Le
     return _map_width(name, t, rule, level_map, coarsen=False)
 
 
+def decoalesce_tensor_aki(
+    name: str, t: torch.Tensor, upper: torch.Tensor, rule: ParamRule, level_map: LevelMap
+) -> torch.Tensor:
+    """Widen one tensor of a layer by bert2BERT's advanced knowledge initialisation (AKI), its new
+    units drawn from ``upper``, the same tensor of the layer above (the top layer passes its own).
+
+    bert2BERT (Chen et al., ACL 2022, arXiv:2110.07143, width-wise expansion) widens a matrix ``W`` of layer
+    ``l`` (its convention ``d_in x d_out``) by FPI in two steps: the in-dimension first, each input
+    unit's weights divided by the number of its copies, ``W~(i, *) = W(g_in(i), *) / C(g_in(i))``
+    (the weights that read a copied unit split between the copies), then the out-dimension,
+    ``U(*, j) = W~(*, g_out(j))`` (each new output unit a copy). AKI keeps the first step, made for
+    each layer with its own weights (``W~^l`` from ``W^l``, ``W~^{l+1}`` from ``W^{l+1}``, the same
+    split), and fills the out-dimension from both layers: ``U^l(*, j) = W~^l(*, j)`` for the
+    ``d_out`` units the small model had, ``W~^{l+1}(*, g_out(j))`` for the new ones; the top
+    layer, having none above, uses its own (FPI). Upper layers rather than lower ones because
+    neighbouring layers compute alike (the paper's motivation; it reports lower layers worse).
+
+    Here (Megatron weights are ``out x in``; a grouping pairs each unit the small model had with
+    its new copy, the pair's second unit, ``Grouping.partners[1]``): the tensor is de-coalesced as
+    by FPI (:func:`decoalesce_tensor`: copied on the out side, halved on the in side), and along
+    its out-side unit dimension, if it has one, the new units' slices are replaced by those of
+    ``upper`` de-coalesced the same way. So in a layer the rows that write a new unit come from
+    the layer above, halved on their in side as FPI halves them (the split's normalisation is
+    kept: ``C`` is 2 for every unit); the columns that read a new unit, the in side, are this
+    layer's own, halved. Every tensor with an out-side unit dimension takes part: the QKV rows of
+    a new query group, the FFN input rows of a new FFN unit, and the rows of new hidden units
+    (attention and FFN output projections, their biases, the norms' weights and biases).
+
+    Sources, and the readings chosen where they leave it open: the paper's own text was not
+    reachable when this was written, so its equation numbers are not given; the equations above
+    are as a summary of the paper quotes them (FPI's ``EXPN`` and AKI's out-dimension expansion
+    from ``W~^{l+1}``), and the AquilaMoE report (2024, Section 2.2.1) describes AKI the same way
+    (FPI widens ``W^(1)`` to ``[w'_1; w'_2; w'_3; w'_1]``, AKI to ``[w'_1; w'_2; w'_3; w'^(2)_1]``,
+    the new row the next layer's in-expanded one). The equation is stated for a layer's parameter
+    matrices in general, so the hidden dimension's rows take part as the FFN's and the heads' do
+    (a third-party reimplementation, MindSpore's model-zoo ``bert2bert``, applies AKI to the FFN
+    and the heads only and takes a new unit's reading weights from the upper layer too; not
+    followed). Biases and norm vectors are treated as one-row matrices of their out side. The
+    paper samples ``g_out`` at random; here the level map's pairing decides which old unit a new
+    one copies. Parameters outside the layers (embeddings, final norm, output layer) have no
+    upper layer and grow by FPI. Not function-preserving: the grown model computes another
+    function than the small one."""
+    out = decoalesce_tensor(name, t, rule, level_map)
+    if not level_map.width:
+        return out
+    above = decoalesce_tensor(name, upper, rule, level_map)
+    for dim, d in enumerate(rule.dims):
+        if d.side == "out":
+            new = level_map.unit_groupings[d.kind].partners[1].to(out.device)
+            out.index_copy_(dim, new, above.index_select(dim, new))
+    return out
+
+
+def upper_layer(level_map: LevelMap, coarse_layer: int) -> int:
+    """The coarse layer AKI draws the new units of ``coarse_layer`` from: the next one, the top
+    layer's its own."""
+    return min(coarse_layer + 1, level_map.coarse.num_layers - 1)
+
+
+def check_width_growth(width_growth: str, level_map: LevelMap) -> None:
+    """``ValueError`` unless ``width_growth`` (``multilevel.width_growth``) can grow by ``level_map``."""
+    if width_growth not in WIDTH_GROWTHS:
+        raise ValueError(f"invalid width_growth {width_growth!r}; valid choices are {list(WIDTH_GROWTHS)}")
+    if width_growth == "aki" and not level_map.width:
+        raise ValueError("width_growth 'aki' draws the units width growth adds from the next layer, and this "
+                         "level map does not widen; valid choices here are ['fpi']")
+
+
 def _residual_scale(level_map: LevelMap, rule: ParamRule) -> float:
     """What coalescing multiplies a residual-branch output's pair average by: 2 (the sum of the
     pair's residual branches) when each layer is an Euler step (``ode``, ``identity``)."""
@@ -131,11 +202,14 @@ def coalesce_layers(fine_layers: Sequence[Mapping[str, torch.Tensor]], level_map
     return out
 
 
-def decoalesce_layer(coarse_layer: Mapping[str, torch.Tensor], level_map: LevelMap, member: int = 0) -> StateDict:
+def decoalesce_layer(coarse_layer: Mapping[str, torch.Tensor], level_map: LevelMap, member: int = 0, *,
+                     upper: Optional[Mapping[str, torch.Tensor]] = None) -> StateDict:
     """The fine layer de-coalesced from one coarse layer, as the ``member``-th layer (0 or 1) of its
     depth group (``depth_groups``). Both copy it, but for the residual-branch outputs: halved in
-    each with ``ode`` scaling, kept by the first and zero in the second with ``identity``. Every
-    tensor returned is new (never one of ``coarse_layer``'s), so each call's layer is independent."""
+    each with ``ode`` scaling, kept by the first and zero in the second with ``identity``. With
+    ``upper`` (the coarse layer above, ``upper_layer``; at least ``coarse_layer``'s names), width
+    grows by AKI (:func:`decoalesce_tensor_aki`) instead of FPI. Every tensor returned is new
+    (never one of ``coarse_layer``'s), so each call's layer is independent."""
     assert member in (0, 1) and (member == 0 or level_map.depth), member
     rules = parameter_plan(level_map.fine).layer
     identity = level_map.depth and level_map.depth_scaling == "identity"
@@ -144,7 +218,8 @@ def decoalesce_layer(coarse_layer: Mapping[str, torch.Tensor], level_map: LevelM
         if is_metadata(name):
             continue
         rule = _lookup(rules, name)
-        fine = decoalesce_tensor(name, t, rule, level_map)
+        fine = (decoalesce_tensor(name, t, rule, level_map) if upper is None
+                else decoalesce_tensor_aki(name, t, upper[name], rule, level_map))
         if identity and rule.residual:
             out[name] = fine if member == 0 else torch.zeros_like(fine)
             continue
@@ -231,15 +306,18 @@ def coalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap) -> Sta
     return out
 
 
-def decoalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap) -> StateDict:
-    """The fine model's parameters de-coalesced from the coarse model's full state dict."""
+def decoalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap, *, width_growth: str = "fpi") -> StateDict:
+    """The fine model's parameters de-coalesced from the coarse model's full state dict; with
+    ``width_growth`` "aki", every layer widened by AKI (:func:`decoalesce_tensor_aki`)."""
+    check_width_growth(width_growth, level_map)
     coarse_layers = level_map.coarse.num_layers
     model, layers = split_layers(state_dict, level_map.fine, coarse_layers, "coarse")
     out = decoalesce_model_params(model, level_map)
     for j in range(level_map.fine.num_layers):
         k = coarse_layer_of(level_map, j)
         prefix = layer_prefix(level_map.fine, j)
-        fine = decoalesce_layer(layers[k], level_map, group_member(level_map, j))
+        upper = layers[upper_layer(level_map, k)] if width_growth == "aki" else None
+        fine = decoalesce_layer(layers[k], level_map, group_member(level_map, j), upper=upper)
         out.update({prefix + name: t for name, t in fine.items()})
     return out
 

@@ -30,6 +30,8 @@ COALESCE = "megatron_multilevel/training/coalesce_cycle.py"
 FLOPS = "megatron_multilevel/flops.py"
 READER = "megatron_multilevel/checkpoints/deepspeed_reader.py"
 CHECKPOINT = "megatron_multilevel/training/checkpoint.py"
+OPERATORS = "megatron_multilevel/operators.py"
+TRANSITION = "megatron_multilevel/parallel/transition.py"
 TRANSITIONS = ["tests/test_trainer_transitions.py"]
 FLOPS_TESTS = ["tests/test_flops.py"]
 CONSOLIDATION = ["tests/test_pretrain.py::test_two_processes_with_changing_layouts"]
@@ -151,6 +153,34 @@ MUTATIONS = [
     Mutation("ligo-tp-unsummed", "LiGO's coefficient gradients are not summed over tensor-parallel shards",
              (("megatron_multilevel/training/ligo.py", "if tp > 1 and name in summed:", "if False:"),),
              ("tests/test_ligo.py::test_ligo_in_two_layouts_is_the_one_process_run",)),
+    Mutation("aki-same-layer", "AKI draws a layer's new units from that layer, not the one above (FPI)",
+             ((OPERATORS, "    return min(coarse_layer + 1, level_map.coarse.num_layers - 1)",
+               "    return coarse_layer"),),
+             ("tests/test_operators.py::test_aki_matches_its_definition_by_hand",
+              "tests/test_operators.py::test_aki_new_units_rows_are_the_next_layers",
+              "tests/test_function_preservation.py::test_aki_width_growth_is_not_function_preserving")),
+    Mutation("aki-reading-weights-above", "AKI takes the columns that read a new unit from the layer above too",
+             ((OPERATORS, '    for dim, d in enumerate(rule.dims):\n        if d.side == "out":\n            new = ',
+               '    for dim, d in enumerate(rule.dims):\n        if d.side is not None:\n            new = '),),
+             ("tests/test_operators.py::test_aki_matches_its_definition_by_hand",
+              "tests/test_operators.py::test_aki_new_units_rows_are_the_next_layers")),
+    Mutation("aki-stream-own-layer", "the transition grows each layer by AKI from itself, not the layer above",
+             ((TRANSITION, "upper = None if up is None else coarse if up == k else coarse_reader.read_layer(up, [name])",
+               "upper = None if up is None else coarse"),),
+             ("tests/test_transitions.py::test_aki_growth_in_every_layout_is_the_one_process_growth",)),
+    Mutation("aki-moments-fpi", "the transition grows the mapped moments by FPI under AKI",
+             ((TRANSITION, "                        alpha, width_growth=width_growth)", "                        alpha)"),),
+             ("tests/test_transitions.py::test_aki_growth_in_every_layout_is_the_one_process_growth",)),
+    Mutation("aki-trainer-fpi", "the coalescing cycle grows by FPI whatever multilevel.width_growth says",
+             ((COALESCE, 'width_growth=ml.width_growth if before is None else "fpi",', 'width_growth="fpi",'),),
+             ("tests/test_trainer_transitions.py::test_growth_by_aki_and_the_return_by_fpi",)),
+    Mutation("aki-trainer-returns", "the coalescing cycle asks for AKI on returns that interpolate too",
+             ((COALESCE, 'width_growth=ml.width_growth if before is None else "fpi",', "width_growth=ml.width_growth,"),),
+             ("tests/test_trainer_transitions.py::test_growth_by_aki_and_the_return_by_fpi",)),
+    Mutation("aki-config-v-cycle", "multilevel.width_growth 'aki' is accepted by a cycle that grows no level",
+             (("megatron_multilevel/config/multilevel.py", 'if self.enabled and "grow" not in arrivals(self.walk()):',
+               "if False:"),),
+             ("tests/test_peers.py::test_width_growth_checks",)),
     Mutation("moments-parameter-units", "the ODE strategy's mapped moments scale like parameters",
              (("megatron_multilevel/parallel/ode_transition.py",
                'DEGREE = {"exp_avg": -1, "exp_avg_sq": -2, "momentum_buffer": -1}',

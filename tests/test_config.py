@@ -38,7 +38,7 @@ ACCEPTED = {
         "cycle", "growth_mask_steps", "growth_operator", "interpolation", "keep_fine", "levels", "ligo_lr", "ligo_steps",
         "lr_schedule", "num_levels", "ode",
         "optimizer_state", "perturbation_std", "strategy",
-        "width_pairing",
+        "width_growth", "width_pairing",
     ],
     OdeConfig: [
         "coarse", "coarse_deepspeed", "coarse_lr", "coarse_steps", "coarse_tensor_model_parallel_size", "coherence",

@@ -93,3 +93,19 @@ def test_identity_depth_scaling_over_three_levels_preserves_logits():
     a = _logits(maps[-1].coarse, coarsest, tokens)
     b = _logits(cfg, decoalesce(decoalesce(coarsest, maps[1]), maps[0]), tokens)
     assert (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("variant", ["gpt_tied", "gpt_untied", "bert_tied", "bert_untied_binary"])
+def test_aki_width_growth_is_not_function_preserving(variant):
+    """Grown in width from the same small model, FPI (the default) computes its logits, AKI (each
+    layer's new units from the layer above) other ones."""
+    cfg = small_config(variant)
+    lm = make_level_map(cfg, depth=False)
+    coarse = random_state_dict(lm.coarse, seed=17)
+    tokens = _tokens(cfg)
+    small = _logits(lm.coarse, coarse, tokens)
+    fpi = _logits(cfg, decoalesce(coarse, lm), tokens)
+    aki = _logits(cfg, decoalesce(coarse, lm, width_growth="aki"), tokens)
+    assert small.abs().max() > 0.1
+    assert (small - fpi).abs().max().item() < 1e-5
+    assert (small - aki).abs().max().item() > 1e-3

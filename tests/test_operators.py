@@ -136,6 +136,116 @@ def test_matches_dense_F_W_C(variant, pairing):
         torch.testing.assert_close(t.double(), expected, rtol=1e-6, atol=1e-7, msg=name)
 
 
+# ---------------------------------------------------------------- bert2BERT's AKI width growth
+def _move(w, dim, matrix):
+    """``matrix`` applied along ``dim`` of ``w``."""
+    return torch.movedim(torch.tensordot(matrix, torch.movedim(w, dim, 0), dims=1), 0, dim)
+
+
+def _new_units(copy_matrix):
+    """The units growth adds: the later of the two fine units of each coarse unit (a column of C)."""
+    new = torch.zeros(copy_matrix.shape[0], dtype=torch.bool)
+    for i in range(copy_matrix.shape[1]):
+        new[copy_matrix[:, i].nonzero().flatten()[1]] = True
+    return new
+
+
+def _aki_by_hand(own, above, rule, mats):
+    """AKI by the paper's two steps, with dense matrices: the tensor of this layer and of the layer
+    above, each expanded on its in side (``F_in``: an in-unit's weights halved between its two
+    copies), then on the out side the units the small model had from this layer, the new ones from
+    the layer above."""
+    wide = []
+    for t in (own, above):
+        w = t.double()
+        for dim, d in enumerate(rule.dims):
+            if d.side == "in":
+                w = _move(w, dim, mats[d.kind][0].T)
+        wide.append(w)
+    w, w_above = wide
+    for dim, d in enumerate(rule.dims):
+        if d.side == "out":
+            C = mats[d.kind][1]
+            shape = [1] * w.dim()
+            shape[dim] = -1
+            w = torch.where(_new_units(C).view(shape), _move(w_above, dim, C), _move(w, dim, C))
+    return w
+
+
+@pytest.mark.parametrize("variant", ["gpt_tied", "gpt_untied", "gpt_llama", "bert_tied", "bert_untied_binary"])
+@pytest.mark.parametrize("pairing", ["halves", "adjacent"])
+def test_aki_matches_its_definition_by_hand(variant, pairing):
+    """Every tensor of every grown layer is bert2BERT's AKI built with dense matrices from the small
+    model's layer and the one above it (the top layer: itself, so FPI); outside the layers, FPI."""
+    cfg = small_config(variant, num_layers=8, num_attention_heads=8,
+                       num_query_groups=4 if variant == "gpt_llama" else None)
+    lm = make_level_map(cfg, width_pairing=pairing, depth_pairing=pairing)
+    mats = _reference_matrices(lm)
+    plan = parameter_plan(cfg)
+    coarse = random_state_dict(lm.coarse, seed=6)
+    grown, fpi = decoalesce(coarse, lm, width_growth="aki"), decoalesce(coarse, lm)
+    stack = "decoder" if cfg.kind == "gpt" else "encoder"
+    q = lm.coarse.num_layers
+    changed = set()
+    for name, t in grown.items():
+        layer, rule = plan.rule(name)
+        if layer is None:
+            assert torch.equal(t, fpi[name]), name
+            continue
+        local = name.split(".", 3)[3]
+        k = lm.layers.assignment[layer]
+        above = min(k + 1, q - 1)
+        own, upper = (coarse[f"{stack}.layers.{i}.{local}"] for i in (k, above))
+        expected = _aki_by_hand(own, upper, rule, mats)
+        assert torch.equal(t.double(), expected), name
+        if not torch.equal(t, fpi[name]):
+            changed.add(k)
+    assert changed == set(range(q - 1))  # every layer but the top one draws from the one above
+
+
+@pytest.mark.parametrize("variant", ["gpt_tied", "bert_untied_binary"])
+def test_aki_new_units_rows_are_the_next_layers(variant):
+    """Halves pairing, stacked (depth halves): fine unit ``j + n/2`` is the new copy of unit ``j``,
+    fine layer ``l`` the small model's layer ``l mod q``. The FFN input rows of a new FFN unit and
+    the FFN output rows of a new hidden unit are the next small layer's (halved on their in side);
+    the columns that read a new unit are this layer's own, halved."""
+    cfg = small_config(variant, num_layers=8)
+    lm = make_level_map(cfg, depth_pairing="halves")
+    coarse = random_state_dict(lm.coarse, seed=7)
+    grown = decoalesce(coarse, lm, width_growth="aki")
+    stack = "decoder" if cfg.kind == "gpt" else "encoder"
+    q, hc, fc = lm.coarse.num_layers, lm.coarse.hidden_size, lm.coarse.ffn_hidden_size
+    for layer in range(cfg.num_layers):
+        k = layer % q
+        up = min(k + 1, q - 1)
+
+        def fine(local):
+            return grown[f"{stack}.layers.{layer}.mlp.{local}"]
+
+        def small(i, local):
+            return coarse[f"{stack}.layers.{i}.mlp.{local}"]
+
+        fc1, fc2 = fine("linear_fc1.weight"), fine("linear_fc2.weight")  # [F, H], [H, F]
+        assert torch.equal(fc1[:fc], 0.5 * small(k, "linear_fc1.weight").repeat(1, 2))
+        assert torch.equal(fc1[fc:], 0.5 * small(up, "linear_fc1.weight").repeat(1, 2))
+        assert torch.equal(fine("linear_fc1.bias")[fc:], small(up, "linear_fc1.bias"))
+        assert torch.equal(fc2[:hc], 0.5 * small(k, "linear_fc2.weight").repeat(1, 2))
+        assert torch.equal(fc2[hc:], 0.5 * small(up, "linear_fc2.weight").repeat(1, 2))
+        assert torch.equal(fine("linear_fc2.bias")[hc:], small(up, "linear_fc2.bias"))
+        if k < q - 1:
+            assert not torch.equal(fc1[fc:], fc1[:fc])  # the copies' symmetry is broken
+
+
+def test_aki_needs_width():
+    cfg = small_config("gpt_tied")
+    coarse = random_state_dict(make_level_map(cfg).coarse, seed=8)
+    with pytest.raises(ValueError, match=r"valid choices are \['fpi', 'aki'\]"):
+        decoalesce(coarse, make_level_map(cfg), width_growth="copy")
+    depth_only = make_level_map(cfg, width=False)
+    with pytest.raises(ValueError, match="does not widen"):
+        decoalesce(random_state_dict(depth_only.coarse, seed=8), depth_only, width_growth="aki")
+
+
 def test_ode_depth_scaling_doubles_residual_outputs():
     cfg = small_config("gpt_tied")
     plain = make_level_map(cfg, width=False)

@@ -228,3 +228,58 @@ def test_bert2bert_grows_width_by_fpi_and_depth_by_stacking():
             assert torch.equal(t, widened[source]), name
         else:
             assert torch.equal(t, widened[name]), name
+
+
+@pytest.mark.usefixtures("dist_single")
+def test_bert2bert_aki_grows_width_by_aki_and_depth_by_stacking():
+    """``bert2bert_init="aki"``: the same config but ``multilevel.width_growth`` (the FPI config
+    carries no such key, as before); grown by its own level maps, fine layer k is small layer
+    k mod (L / 2) widened by AKI from the small layer above it (the top one: itself)."""
+    fpi = variant_configs(_base(8), steps=1000, fine_lr=1e-3, warmup=40, methods=["bert2bert"],
+                          coarse_share=0.5)["bert2bert"]
+    made = variant_configs(_base(8), steps=1000, fine_lr=1e-3, warmup=40, methods=["bert2bert"], coarse_share=0.5,
+                           bert2bert_init="aki")["bert2bert"]
+    assert "width_growth" not in fpi["multilevel"] and load_config(fpi).multilevel.width_growth == "fpi"
+    assert made["multilevel"] == {**fpi["multilevel"], "width_growth": "aki"}
+    cfg = load_config(made)
+    assert cfg.multilevel.width_growth == "aki"
+    fine, small = cfg.level_models()
+    (level_map,) = run_level_maps(cfg)
+    small_state = random_state_dict(small, seed=24)
+    grown = decoalesce(small_state, level_map, width_growth="aki")
+    q = small.num_layers
+    wide_small = dataclasses.replace(fine, num_layers=q)
+    widening = make_level_map(wide_small, depth=False, width_pairing=cfg.multilevel.width_pairing)
+    widened = decoalesce(small_state, widening, width_growth="aki")
+    by_fpi = decoalesce(small_state, widening)
+    assert any(not torch.equal(t, by_fpi[name]) for name, t in widened.items())
+    for name, t in grown.items():
+        if name.startswith(layer_prefix(fine, 0)[: -len("0.")]):
+            k, rest = name.split(".", 3)[2], name.split(".", 3)[3]
+            assert torch.equal(t, widened[layer_prefix(small, int(k) % q) + rest]), name
+        else:
+            assert torch.equal(t, widened[name]), name
+
+
+def test_width_growth_checks():
+    """``multilevel.width_growth``: 'fpi' or 'aki', 'aki' only where a level grows in width; a clear
+    error at config load otherwise, naming the key and the valid choices."""
+    made = variant_configs(_base(8), steps=1000, fine_lr=1e-3, coarse_share=0.5, bert2bert_init="aki",
+                           methods=["bert2bert", "stacking", "vcycle2", "ode2"])
+    for method, change, message in (
+        ("bert2bert", {"width_growth": "copy"}, r"multilevel.width_growth: invalid value 'copy'; valid choices are "
+                                                r"\['fpi', 'aki'\]"),
+        ("bert2bert", {"coalesce_width": False}, "width_growth 'aki'.*needs coalesce_width true"),
+        ("stacking", {"width_growth": "aki"}, "width_growth 'aki'.*needs coalesce_width true"),
+        ("vcycle2", {"width_growth": "aki"}, r"width_growth 'aki': cycle 'v' grows no level.*\['fpi', 'aki'\]"),
+        ("ode2", {"width_growth": "aki"}, "width_growth belong.* to the coalesce strategy"),
+    ):
+        bad = json.loads(json.dumps(made[method]))
+        bad["multilevel"].update(change)
+        with pytest.raises(ValueError, match=message):
+            load_config(bad)
+    fcycle = variant_configs(_base(8), steps=1000, fine_lr=1e-3, methods=["fcycle2"])["fcycle2"]
+    fcycle["multilevel"]["width_growth"] = "aki"  # an F-cycle grows the fine level once
+    assert load_config(fcycle).multilevel.width_growth == "aki"
+    with pytest.raises(ValueError, match=r"bert2bert_init 'copy'; valid choices are \['fpi', 'aki'\]"):
+        variant_configs(_base(8), steps=1000, fine_lr=1e-3, methods=["bert2bert"], bert2bert_init="copy")

@@ -474,6 +474,43 @@ def test_gstack_in_two_layouts_is_the_one_process_run(corpus, tmp_path):
     assert_close_to_reference(tmp_path / "run", {"dir": tmp_path / "reference"}, abs=2e-4)
 
 
+# bert2BERT: the half-width, half-depth model grown in width by AKI and in depth by stacking
+BERT2BERT_AKI = {"cycle": "grow", "num_levels": 2, "alpha": 1.0, "coalesce_width": True, "coalesce_depth": True,
+                 "depth_pairing": "halves", "depth_scaling": "none", "width_growth": "aki",
+                 "levels": [{"steps_after": 8, "lr_after": {"peak": 2e-3, "warmup_steps": 1}},
+                            {"steps_before": 6, "lr_before": {"peak": 6e-3, "warmup_steps": 2}}]}
+
+
+@pytest.fixture(scope="module")
+def aki_reference(tmp_path_factory, corpus):
+    """An uninterrupted one-process bert2BERT run grown by AKI."""
+    tmp = tmp_path_factory.mktemp("aki_reference")
+    result = ok(launch(run_config(tmp, corpus, "run", multilevel=BERT2BERT_AKI, training=KEEP_ALL)))
+    return {"dir": tmp / "run", "stdout": result.stdout}
+
+
+def test_bert2bert_aki_run_grows_and_learns(aki_reference):
+    """A run of the small model grown by AKI (the growth itself is checked against the operators in
+    tests/test_trainer_transitions.py): the growth says so, and the grown model learns, its
+    validation loss going down after growth."""
+    run = aki_reference["dir"]
+    assert "de-coalesced, grown by AKI (alpha 1.0)" in aki_reference["stdout"]
+    phases = json.loads((run / "summary.json").read_text())["phases"]
+    assert [(p["level"], p["steps"], p["model"]["hidden_size"]) for p in phases] == [(1, 6, 32), (0, 8, 64)]
+    valid = {(r["phase"], r["step"]): r["loss"] for r in records(run, "valid")}
+    assert valid[(1, 8)] < valid[(1, 0)] - 0.05  # the grown model learns
+    assert valid[(1, 8)] < valid[(0, 4)] - 0.3  # and the run as a whole
+
+
+@pytest.mark.slow
+def test_bert2bert_aki_in_two_layouts_is_the_one_process_run(aki_reference, corpus, tmp_path):
+    """The small model at DP=2 (ZeRO-2) grown by AKI into the full one at TP=2 (ZeRO-1): the
+    one-process run."""
+    config = run_config(tmp_path, corpus, "run", multilevel=_peer_layouts(BERT2BERT_AKI, TP2_ZERO1), training=KEEP_ALL)
+    ok(launch(config, "--num_procs", 2))
+    assert_close_to_reference(tmp_path / "run", aki_reference, abs=2e-4)
+
+
 def test_the_launcher_is_quiet_unless_asked(reference, corpus, tmp_path):
     """A run shows its own lines, not the DeepSpeed launcher's INFO lines nor its no-GPU warning;
     --launcher-log-level info brings the INFO lines back (a config error ends both runs early)."""

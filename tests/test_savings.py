@@ -314,6 +314,22 @@ def test_recipe_flag_sets_the_recipe_and_yields_to_flags_given():
     assert plain["vcycle2"]["multilevel"]["depth_pairing"] == "adjacent"  # without --recipe: the paper's
 
 
+def test_bert2bert_init_names_the_aki_runs_apart():
+    """``--bert2bert-init aki``: bert2bert grown by AKI, named bert2bert-aki (in bert2bert's family);
+    without it the bert2bert config is as before, with no width_growth key."""
+    tool = _tool()
+    argv = ["--size", "tiny", "--steps", "100", "--methods", "bert2bert"]
+    args = tool.parse_args(tool.build_parser(), argv)
+    base = tool.base_config(args)
+    made = tool.variants(tool.parse_args(tool.build_parser(), argv + ["--bert2bert-init", "aki"]), base)
+    plain = tool.variants(args, base)
+    assert sorted(made) == ["bert2bert-aki", "scratch"] and sorted(plain) == ["bert2bert", "scratch"]
+    assert tool.family("bert2bert-aki") == "bert2bert"
+    assert "width_growth" not in plain["bert2bert"]["multilevel"]
+    assert made["bert2bert-aki"]["multilevel"] == {**plain["bert2bert"]["multilevel"], "width_growth": "aki"}
+    assert load_config(made["bert2bert-aki"]).multilevel.width_growth == "aki"
+
+
 def test_scratch_schedules_are_baseline_candidates():
     """``--scratch-decay-fraction``: training from scratch with warm-up, a stable peak and a decay over
     the last share of the steps, named apart, a candidate for the best baseline as every rate is."""

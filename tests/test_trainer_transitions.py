@@ -157,6 +157,28 @@ def _run(corpus, tmp, world_size, layouts, optimizer=None, **multilevel):
     return {"captured": captured, "level_maps": run_level_maps(load_config(base))}
 
 
+@pytest.fixture(scope="module")
+def aki_run(corpus, tmp_path_factory):
+    """One process, a 2-level F-cycle (levels 1 0 1 0) that grows by AKI (``width_growth: "aki"``),
+    Adam moments mapped, no noise."""
+    tmp = tmp_path_factory.mktemp("aki")
+    base = json.loads(small_config(tmp / "base.json", kind="gpt", prefix=str(corpus / "gpt"),
+                                   tokenizer_model=str(corpus / "gpt.model"), output_dir=tmp / "run").read_text())
+    lr = {"peak": 2e-3, "warmup_steps": 1}
+    base["multilevel"] = {
+        "enabled": True, "num_levels": 2, "cycle": "f", "alpha": ALPHAS[0], "width_pairing": "halves",
+        "width_growth": "aki", "optimizer_state": "map",
+        "levels": [{"steps_before": STEPS, "steps_after": STEPS, "lr_before": lr},
+                   {"visits": [{"steps": STEPS, "lr": lr}, {"steps": STEPS, "lr": lr}]}],
+    }
+    base["training"].update(save_interval=0, eval_interval=100, eval_batches=1, log_interval=100)
+    captured = run_ranks(_train_and_capture, 1, tmp / "ranks", base)[0]
+    from megatron_multilevel.config import load_config
+    from megatron_multilevel.level_maps import run_level_maps
+
+    return {"captured": captured, "level_maps": run_level_maps(load_config(base))}
+
+
 def _assert_dicts_close(got: dict, expected: dict, what: str) -> None:
     assert got.keys() == expected.keys(), (what, sorted(set(got) ^ set(expected)))
     for name in expected:
@@ -252,3 +274,23 @@ def test_decoalescing_adds_the_coarse_correction(correction_run):
         for key in state:
             want = _interpolated(before_coalescing["moments"][key], decoalesce(c["before"]["moments"][key], lm), alpha)
             _assert_dicts_close(c["after"]["moments"][key], want, f"de-coalesced {key} into level {fine}")
+
+
+def test_growth_by_aki_and_the_return_by_fpi(aki_run):
+    """The F-cycle's growth is the operators' AKI of the small model, its moments grown the same way;
+    the later return interpolates with the model kept, de-coalesced by FPI."""
+    from megatron_multilevel.operators import decoalesce
+
+    captured = aki_run["captured"]
+    assert [(c["from"], c["to"]) for c in captured] == [(1, 0), (0, 1), (1, 0)]
+    lm = aki_run["level_maps"][0]
+    grow, down, back = captured
+    small = grow["before"]
+    _assert_dicts_close(grow["after"]["params"], decoalesce(small["params"], lm, width_growth="aki"), "grown")
+    by_fpi = decoalesce(small["params"], lm)
+    assert any(not torch.allclose(t, by_fpi[name]) for name, t in grow["after"]["params"].items())
+    for key in ("exp_avg", "exp_avg_sq"):
+        _assert_dicts_close(grow["after"]["moments"][key], decoalesce(small["moments"][key], lm, width_growth="aki"),
+                            f"grown {key}")
+    expected = _interpolated(down["before"]["params"], decoalesce(back["before"]["params"], lm), ALPHAS[0])
+    _assert_dicts_close(back["after"]["params"], expected, "the return")

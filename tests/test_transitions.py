@@ -470,6 +470,64 @@ def test_growing_carries_the_coarse_moments(tmp_path, depth_scaling):
         assert result["losses"] == pytest.approx(one[0]["losses"], abs=2e-5)
 
 
+def _aki_grow_worker(rank, world, cases):
+    """Growth in width and depth by AKI (``width_growth="aki"``) with the coarse AdamW moments
+    carried, per case ``(variant, coarse TP, coarse ZeRO stage, fine TP, fine ZeRO stage)``: the
+    grown parameters and moments are the operators' AKI of the gathered coarse ones, in any layout.
+    The groupings are local to two TP shards in every case, so that TP=2 takes the fast path and
+    every layout grows the same model."""
+    from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
+    from megatron_multilevel.level_maps import make_level_map
+    from megatron_multilevel.models import build_model
+    from megatron_multilevel.operators import decoalesce
+    from megatron_multilevel.parallel.staging import Layout, load_moments
+    from megatron_multilevel.parallel.transition import prolong, uses_fast_path
+    from megatron_multilevel.training.engines import build_empty_model
+
+    out = []
+    for variant, coarse_tp, coarse_stage, fine_tp, fine_stage in cases:
+        cfg = _model_config(variant)
+        lm = make_level_map(cfg, depth_pairing="halves", tensor_model_parallel_size=2,
+                            coarse_tensor_model_parallel_size=2)
+        set_tensor_model_parallel_size(coarse_tp)
+        set_seed(5)
+        coarse = _engine(build_model(lm.coarse), coarse_stage)
+        losses = [_train_step(coarse, lm.coarse, seed=1), _train_step(coarse, lm.coarse, seed=2)]
+        moments = {k: _reference_gather(coarse, lm.coarse, k) for k in (None, "exp_avg", "exp_avg_sq")}
+        layouts = dict(coarse_layout=Layout(coarse_tp, coarse_stage), fine_layout=Layout(fine_tp, fine_stage))
+        staged = prolong(coarse.module, None, lm, 1.0, **layouts, width_growth="aki",
+                         build_target=functools.partial(build_empty_model, lm.fine, Layout(fine_tp, fine_stage),
+                                                        _ds_config(fine_stage, 1)),
+                         optimizer=coarse.optimizer, moments=STATE["adamw"])
+        del coarse
+        fine = _engine(staged.model, fine_stage)
+        load_moments(fine, staged)
+        diffs = {k: _max_diff(_reference_gather(fine, cfg, k), decoalesce(m, lm, width_growth="aki"))
+                 for k, m in moments.items()}
+        losses.append(_train_step(fine, cfg, seed=3))
+        out.append({"diffs": diffs, "losses": losses, "fast": uses_fast_path(lm, layouts["fine_layout"],
+                                                                          layouts["coarse_layout"])})
+    return out
+
+
+def test_aki_growth_in_every_layout_is_the_one_process_growth(tmp_path):
+    """GPT and a GQA SwiGLU model grown by AKI on two ranks (TP=2 on the fast path, ZeRO-3, a TP
+    change) equal the operators on the gathered coarse model and the one-process run."""
+    one = run_ranks(_aki_grow_worker, 1, tmp_path / "one", [("gpt", 1, 0, 1, 0), ("llama", 1, 0, 1, 0)])[0]
+    cases = [("gpt", 2, 0, 2, 0), ("gpt", 1, 3, 1, 3), ("gpt", 2, 0, 1, 1), ("llama", 2, 1, 2, 1),
+             ("llama", 1, 2, 2, 3)]
+    two = run_ranks(_aki_grow_worker, 2, tmp_path / "two", cases)
+    assert [r["fast"] for r in two[0]] == [True, False, False, True, False]
+    for case, results in zip(cases, zip(*two)):
+        reference = one[0] if case[0] == "gpt" else one[1]
+        for result in results:
+            assert set(result["diffs"]) == {None, "exp_avg", "exp_avg_sq"}
+            assert all(d < 1e-6 for d in result["diffs"].values()), (case, result["diffs"])
+            assert result["losses"] == pytest.approx(reference["losses"], abs=2e-5), case
+    for result in one:
+        assert all(d < 1e-6 for d in result["diffs"].values()), result["diffs"]
+
+
 def _mpu_worker(rank, world, tp):
     from megatron.core import parallel_state as ps
 

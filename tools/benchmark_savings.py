@@ -6,6 +6,7 @@
     python tools/benchmark_savings.py --recipe --methods fcycle2 stacking --fractions 0.6 0.8 1.0   # the recipe
     python tools/benchmark_savings.py --alpha 0.25 0.5 1.0 --ea 0.05 0.2    # the paper's ablations
     python tools/benchmark_savings.py --extra-shapes depth width            # what to coalesce
+    python tools/benchmark_savings.py --methods bert2bert --bert2bert-init aki   # bert2BERT grown by AKI
     python tools/benchmark_savings.py --size gpt-base --procs 8 --steps 20000 --out runs/savings_gpt_base
 
 Every method trains on the same data, tokenizer, model shape and validation samples, within the
@@ -164,6 +165,7 @@ def variants(args, base: dict) -> dict[str, dict]:
                  interpolation=args.interpolation, gstack_factor=args.gstack_factor,
                  gstack_share=gstack_share(args, base, steps), msg_mask_share=args.msg_mask_share,
                  ligo_share=args.ligo_share,
+                 bert2bert_init=args.bert2bert_init,
                  methods=[m for m in METHODS if m != "ode2" or m in args.methods], **common)
 
     def methods(**change) -> dict[str, dict]:
@@ -172,7 +174,8 @@ def variants(args, base: dict) -> dict[str, dict]:
 
     main = methods()
     for name in args.methods:
-        out[name] = main[name]
+        # bert2bert grown by AKI is named apart from the FPI runs (results of both can share --results)
+        out[name + "-aki" if name == "bert2bert" and args.bert2bert_init == "aki" else name] = main[name]
     cycles = [name for name in args.methods if family(name) in MULTILEVEL_FAMILIES] or ["vcycle2"]
     sweeps = [("alpha", a, dict(alpha=a)) for a in args.alpha[1:]]
     sweeps += [("ea", e, dict(ea=e)) for e in args.ea[1:]]
@@ -532,6 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gstack-share", "--gstack_share", default=None,
                    help="gstack: share of the steps for the small model (default: --coarse-share), or 'paper': "
                         "G_stack's growth-timing rule for this model and budget")
+    p.add_argument("--bert2bert-init", "--bert2bert_init", choices=["fpi", "aki"], default="fpi",
+                   help="bert2bert: its width growth, function-preserving (fpi) or the advanced knowledge "
+                        "initialisation, new units from the layer above (aki: runs named bert2bert-aki)")
     p.add_argument("--paper-variant", "--paper_variant", action="store_true",
                    help="also the 2-level V-cycle with the paper's E_a (5%%) and depth operators")
     p.add_argument("--scratch-lr", "--scratch_lr", type=float, nargs="*", default=None,

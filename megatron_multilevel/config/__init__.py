@@ -28,6 +28,7 @@ from megatron_multilevel.config.model import (
 from megatron_multilevel.config.multilevel import (
     COALESCE_ONLY_KEYS,
     STRATEGIES,
+    WIDTH_GROWTHS,
     LevelConfig,
     MultilevelConfig,
     VisitConfig,
@@ -47,7 +48,8 @@ __all__ = [
     "DataConfig", "DEEPSPEED_KEYS", "OPTIMIZER_STATE_KEYS", "STATE_OPTIMIZERS", "ZERO_STAGES",
     "carries_optimizer_state", "check_deepspeed_keys", "deep_merge", "optimizer_state_keys",
     "TP_SPLIT_SIZES", "ModelConfig", "check_model_parallel", "coarse_model_config", "undivided_size",
-    "valid_tp_sizes", "COALESCE_ONLY_KEYS", "STRATEGIES", "LevelConfig", "MultilevelConfig", "VisitConfig",
+    "valid_tp_sizes", "COALESCE_ONLY_KEYS", "STRATEGIES", "WIDTH_GROWTHS", "LevelConfig", "MultilevelConfig",
+    "VisitConfig",
     "RESIDUAL_SCALES", "OdeConfig", "check_optimizer", "check_optimizers", "ParallelConfig",
     "check_sequence_parallel_supported", "resolve_sequence_parallel", "check_alpha", "check_positive",
     "parse_dataclass", "to_dict", "OUR_KEYS", "RunConfig", "config_to_dict", "load_config", "match_optimizer_rate",

@@ -12,10 +12,12 @@ from megatron_multilevel.config.training import LRConfig, PhaseSpec
 from megatron_multilevel.cycles import arrivals, visit_order
 
 STRATEGIES = ("coalesce", "ode")
+WIDTH_GROWTHS = ("fpi", "aki")
 # MultilevelConfig keys that only the coalesce strategy reads (keep_fine and enabled serve both).
 COALESCE_ONLY_KEYS = ("num_levels", "coalesce_width", "coalesce_depth", "width_pairing", "depth_pairing",
                       "depth_scaling", "alpha", "interpolation", "cycle", "levels", "optimizer_state",
-                      "perturbation_std", "growth_mask_steps", "growth_operator", "ligo_steps", "ligo_lr")
+                      "perturbation_std", "growth_mask_steps", "growth_operator", "ligo_steps", "ligo_lr",
+                      "width_growth")
 GROWTH_OPERATORS = ("copy", "ligo")
 
 
@@ -159,6 +161,15 @@ class MultilevelConfig:
     """Steps that LiGO's depth operator is trained for (the paper's 100)."""
     ligo_lr: float = 1e-3
     """Adam's learning rate for LiGO's depth operator."""
+    width_growth: Literal["fpi", "aki"] = "fpi"
+    """How a level grown in width (the first arrival at it in an F- or grow cycle) is initialised:
+    ``fpi``, bert2BERT's function-preserving initialisation, which is width de-coalescing (every new
+    unit a copy of its partner, the weights that read the pair split between them); ``aki``,
+    bert2BERT's advanced knowledge initialisation: in every layer, the new units' own weights (the
+    rows that write them) are the next layer's de-coalesced ones (the top layer's its own), the rest
+    as ``fpi`` (``operators.decoalesce_tensor_aki``); not function-preserving. Returns that
+    interpolate always de-coalesce by ``fpi``. ``aki`` needs ``coalesce_width`` and a cycle that grows
+    a level."""
     keep_fine: Literal["memory", "cpu", "disk"] = "memory"
     """Where the fine model is kept for interpolation while coarser levels train: sharded on the
     device, in host memory, or on disk under the run directory."""
@@ -206,6 +217,21 @@ class MultilevelConfig:
                             f"multilevel: cycle 'grow' has no model before coalescing to interpolate with; "
                             f"level {i} needs alpha 1.0, not {self.alpha_of(i)}"
                         )
+        self._check_width_growth()
+
+    def _check_width_growth(self) -> None:
+        if self.width_growth not in WIDTH_GROWTHS:
+            raise ValueError(f"multilevel.width_growth: invalid value {self.width_growth!r}; valid choices are "
+                             f"{list(WIDTH_GROWTHS)}")
+        if self.width_growth == "fpi":
+            return
+        if not self.coalesce_width:
+            raise ValueError("multilevel.width_growth 'aki' initialises the units a level grown in width adds; it "
+                             "needs coalesce_width true (valid choices are ['fpi', 'aki'], 'fpi' without width)")
+        if self.enabled and "grow" not in arrivals(self.walk()):
+            raise ValueError(f"multilevel.width_growth 'aki': cycle {self.cycle!r} grows no level (only the first "
+                             f"arrival at a level of cycle 'f' or 'grow' does; a return interpolates and de-coalesces "
+                             f"by 'fpi'); valid choices are {list(WIDTH_GROWTHS)}, set it to 'fpi'")
 
     def _check_growth_mask(self) -> None:
         n = self.growth_mask_steps

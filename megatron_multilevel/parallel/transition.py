@@ -29,6 +29,7 @@ import torch
 from megatron_multilevel.config import check_alpha
 from megatron_multilevel.level_maps import LevelMap
 from megatron_multilevel.operators import (
+    check_width_growth,
     coalesce_layers,
     coalesce_model_params,
     coarse_layer_of,
@@ -38,6 +39,7 @@ from megatron_multilevel.operators import (
     depth_groups,
     group_member,
     interpolate,
+    upper_layer,
 )
 from megatron_multilevel.parallel.staging import (FineSnapshot, Layout, Staged, check_layouts, copy_stream,
                                                  optimizer_step, snapshot_group)
@@ -150,6 +152,7 @@ def prolong(
     perturbation_std: float = 0.0,
     seed: int = 0,
     correction: bool = False,
+    width_growth: str = "fpi",
 ) -> Staged:
     """Build the fine level again: de-coalesce the coarse model and interpolate with ``before``.
 
@@ -160,12 +163,18 @@ def prolong(
     decoalesce(coalesce(before)))`` (``operators.correct_model``; mapped moments are blended), plus,
     with ``perturbation_std``, Gaussian noise of that size relative to each weight's own standard
     deviation (seeded by ``seed`` and the parameter's name: the same on every rank). ``moments``
-    names the optimizer state carried, as for :func:`coarsen`.
+    names the optimizer state carried, as for :func:`coarsen`. ``width_growth`` "aki" grows width
+    by bert2BERT's AKI (``operators.decoalesce_tensor_aki``: each layer's new units from the layer
+    above), growing only (``before`` None); mapped moments follow their weights, grown the same way.
     """
     check_alpha(alpha)
     check_layouts(level_map.fine, level_map.coarse, fine_layout, coarse_layout)
+    check_width_growth(width_growth, level_map)
     if before is None and alpha != 1.0:
         raise ValueError(f"prolong: alpha {alpha} interpolates with the model before coalescing, and there is none")
+    if before is not None and width_growth != "fpi":
+        raise ValueError(f"prolong: width_growth {width_growth!r} grows a level (no model before coalescing); a "
+                         f"return that interpolates de-coalesces by 'fpi'")
     if before is not None and set(moments) - set(before.moments):
         raise ValueError(f"prolong: moments {list(moments)} need the fine level's, kept only for those coarsen "
                          f"carried ({list(before.moments)})")
@@ -181,12 +190,12 @@ def prolong(
     fine_model = build_target()
     writer = ModelWriter(fine_model, level_map.fine, Groups.current(), local=fast)
     _prolong_stream(reader, before and before.params, writer, op_map, alpha, perturbation_std=perturbation_std,
-                    seed=seed, correction=correction)
+                    seed=seed, correction=correction, width_growth=width_growth)
     staged = Staged(fine_model, level_map.fine, fast, step=step)
     for key, moment_reader in moment_readers.items():
         staged.moments[key] = Snapshot(snapshot_group(fast))
         _prolong_stream(moment_reader, None if before is None else before.moments[key], staged.moments[key], op_map,
-                        alpha)
+                        alpha, width_growth=width_growth)
     return staged
 
 
@@ -231,10 +240,12 @@ def _perturb(values: dict, std: float, seed: int, writer: ModelWriter, layer: Op
 
 
 def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, alpha: float, *,
-                    perturbation_std: float = 0.0, seed: int = 0, correction: bool = False) -> None:
+                    perturbation_std: float = 0.0, seed: int = 0, correction: bool = False,
+                    width_growth: str = "fpi") -> None:
     """De-coalesce and interpolate (or correct) parameter by parameter (slab by slab of
     vocabulary rows). The correction's starting coarse model is coalesced again from ``before``,
-    one depth group at a time, as ``_coarsen_stream`` made it."""
+    one depth group at a time, as ``_coarsen_stream`` made it. AKI reads each parameter of the
+    coarse layer above too (every rank the same layers, in the same order)."""
     for name in coarse_reader.model_names:
         for rows in vocab_slabs(coarse_reader, name, level_map.fine, whole=perturbation_std > 0):
             values = decoalesce_model_params(coarse_reader.read_model([name], rows), level_map)
@@ -248,13 +259,15 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
             writer.write_model(_perturb(values, perturbation_std, seed, writer), rows)
     for k, members in enumerate(depth_groups(level_map)):
         assert all(coarse_layer_of(level_map, j) == k for j in members), (k, members)
+        up = upper_layer(level_map, k) if width_growth == "aki" else None
         for name in coarse_reader.layer_names:
             coarse = coarse_reader.read_layer(k, [name])
+            upper = None if up is None else coarse if up == k else coarse_reader.read_layer(up, [name])
             before = [] if before_reader is None else [before_reader.read_layer(j, [name]) for j in members]
             start = coalesce_layers(before, level_map) if correction and before else None
             for i, j in enumerate(members):
                 member = group_member(level_map, j)
-                decoalesced = decoalesce_layer(coarse, level_map, member)
+                decoalesced = decoalesce_layer(coarse, level_map, member, upper=upper)
                 if not before:  # growing (alpha 1); new tensors per fine layer: the writer adopts them
                     values = decoalesced
                 elif start is not None:
@@ -262,4 +275,4 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
                 else:
                     values = interpolate(before[i], decoalesced, alpha)
                 writer.write_layer(j, _perturb(values, perturbation_std, seed, writer, j))
-            del coarse, before, start
+            del coarse, upper, before, start

@@ -9,7 +9,7 @@ import dataclasses
 import math
 from typing import Sequence
 
-from megatron_multilevel.config import coarse_model_config, load_config, match_optimizer_rate
+from megatron_multilevel.config import WIDTH_GROWTHS, coarse_model_config, load_config, match_optimizer_rate
 from megatron_multilevel.flops import flops_per_token
 
 
@@ -100,7 +100,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
                     fcycle_revisit: float = 0.25, optimizer_state: str = "reset",
                     after_lr_factor: float = 1.0, ode: "dict | None" = None, lr_schedule: str = "restart",
                     interpolation: str = "blend", gstack_factor: int = 4, gstack_share: "float | None" = None,
-                    msg_mask_share: float = 0.05, ligo_share: float = 0.01,
+                    msg_mask_share: float = 0.05, ligo_share: float = 0.01, bert2bert_init: str = "fpi",
                     methods: "Sequence[str] | None" = None) -> dict[str, dict]:
     """Configs of the compared methods: training from scratch for ``steps`` global batches, and
     each other method within the same budget: the same training FLOPs (``budget="flops"``: the
@@ -145,8 +145,10 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
       those steps' FLOPs taken from the steps after growth;
     - ``bert2bert``: bert2BERT's growth (Chen et al., ACL 2022): the half-width, half-depth model
       (at the narrower models' rate) from scratch for ``coarse_share`` of the steps, grown in width
-      by function-preserving copies (FPI: this project's width de-coalescing) and in depth by
-      stacking, at once; AKI (new units also from the next layer) is not built;
+      and in depth by stacking, at once; in width by ``bert2bert_init``: ``fpi``, function-preserving
+      copies (FPI: this project's width de-coalescing), or ``aki``, the advanced knowledge
+      initialisation (``multilevel.width_growth``: the rows that write each layer's new units from
+      the layer above, ``operators.decoalesce_tensor_aki``; not function-preserving);
     - ``ode2``: the multilevel ODE strategy (Lauga et al.): ``ode_cycles`` cycles (default 4) of
       ``ea / 2`` of the steps at the fine level, ``coarse_share / ode_cycles`` at the coarse model
       of every other layer (at the fine rate: it is as wide) and ``ea / 2`` at the fine level
@@ -180,6 +182,8 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
 
     if budget not in ("flops", "tokens"):
         raise ValueError(f"invalid budget {budget!r}; valid choices are ['flops', 'tokens']")
+    if bert2bert_init not in WIDTH_GROWTHS:
+        raise ValueError(f"invalid bert2bert_init {bert2bert_init!r}; valid choices are {list(WIDTH_GROWTHS)}")
     if shape not in SHAPES:
         raise ValueError(f"invalid shape {shape!r}; valid choices are {sorted(SHAPES)}")
     ea_steps = max(1, round(ea * steps))
@@ -269,14 +273,16 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     ])
     # bert2BERT (Chen et al., ACL 2022): function-preserving width growth (FPI: every new unit a copy
     # of an old one, the weights that read the copies split between them, which is this project's
-    # width de-coalescing) with depth stacking, as one growth of the half-width, half-depth model
-    # (bert2BERT grows width, then depth), the small model at the narrower models' rate
+    # width de-coalescing) or AKI (the new units' rows from the layer above) with depth stacking, as
+    # one growth of the half-width, half-depth model (bert2BERT grows width, then depth), the small
+    # model at the narrower models' rate
     r_wd = _flops_ratios(base, {"num_levels": 2, **SHAPES["width+depth"]})
     bert2bert = grow([
         _level(0, fine_lr, steps_after=steps - coarse if budget == "tokens" else int(steps - coarse * r_wd[1]),
                after_peak=after_lr, after_warmup=after_warmup),
         _level(coarse, narrow_lr, warmup=warmup),
-    ], coalesce_width=True, depth_scaling="none")
+    ], coalesce_width=True, depth_scaling="none",
+       **({"width_growth": "aki"} if bert2bert_init == "aki" else {}))  # fpi: the key left out, as before
     gstack = _gstack(steps, fine_lr, factor=gstack_factor, share=coarse_share if gstack_share is None else gstack_share,
                      budget=budget, warmup=warmup, after_lr=after_lr, after_warmup=after_warmup,
                      ratios=r3_stack,

@@ -78,9 +78,11 @@ class CoalesceCycle:
                 build_target=build_target, optimizer=old.optimizer, moments=mapped,
                 perturbation_std=ml.perturbation_std, seed=ctx.cfg.training.seed + nxt.index,
                 correction=ml.interpolation == "correction",
+                width_growth=ml.width_growth if before is None else "fpi",
             )
             ctx.state.open_levels.pop(nxt.level, None)
-            what = ("de-coalesced, grown" if before is None else "de-coalesced and interpolated"
+            grown = "de-coalesced, grown" + (" by AKI" if ml.width_growth == "aki" else "")
+            what = (grown if before is None else "de-coalesced and interpolated"
                     if ml.interpolation == "blend" else "de-coalesced, coarse correction added")
             what += f" (alpha {alpha})"
             if before is None and ml.growth_operator == "ligo":
