@@ -205,11 +205,22 @@ PEERS=(
   "$MSG --fractions 0.6 0.8"
 )
 POINTS[peers-8x256-480]="--size cpu --steps 480"
+# Every peer at the headline point from one code version, two seeds with the budget fractions: the
+# lines above (their seed 1234 made by an earlier pin, peers-8x256-480) plus LiGO's learned depth
+# operator (stacking's schedule and levers, 1% of the steps training the operator) and bert2BERT
+# with FPI and with AKI width growth (the half-width, half-depth model, at the recipe's share).
+PEERS2=(
+  "${PEERS[@]}"
+  "--methods ligo --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --fractions 1.0 0.8 0.6"
+  "--methods bert2bert --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-levers --fractions 1.0 0.8 0.6"
+  "--methods bert2bert --bert2bert-init aki --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-levers --fractions 1.0 0.8 0.6"
+)
+POINTS[peers2-8x256-480]="--size cpu --steps 480"
 # The peers at the regime study's longest point (81 tokens per parameter, where the full model is
 # the better one), one seed with the budget fractions: the baseline at its two best rates, the
 # control, the F-cycle with the share that paid there (0.1), stacking with the levers, G_stack as
-# published and with the levers, MSG, bert2BERT (FPI width growth and stacking); all with a 10%
-# first phase at the small model.
+# published and with the levers, MSG, bert2BERT (FPI width growth and stacking), LiGO's learned
+# depth operator on stacking with the levers; all with a 10% first phase at the small model.
 PEERS_LONG=(
   "--recipe --methods coarse --scratch-lr 0.002 0.004 --fractions 1.0"
   "--recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 1.0 0.8 0.6"
@@ -218,6 +229,7 @@ PEERS_LONG=(
   "--methods gstack --gstack-factor 4 --gstack-share 0.1 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-levers --fractions 1.0 0.8 0.6"
   "${MSG/0.8/0.1} --fractions 1.0 0.8 0.6"
   "--methods bert2bert --coarse-share 0.1 --optimizer-state reset --lr-schedule restart --fractions 1.0 0.8 0.6"
+  "--methods ligo --coarse-share 0.1 --optimizer-state map --lr-schedule continue --after-warmup 0 --fractions 1.0 0.8 0.6"
 )
 POINTS[peers-4x64-18800]="--size cpu-4x64 --steps 18800"
 SEEDS[peers-4x64-18800]=1
@@ -259,6 +271,7 @@ recipes_of() {  # the recipe lines of a point
     bert-*) printf '%s\n' "${BERT[@]}" ;;
     ode-*) printf '%s\n' "${ODE[@]}" ;;
     peers-4x64-18800) printf '%s\n' "${PEERS_LONG[@]}" ;;
+    peers2-*) printf '%s\n' "${PEERS2[@]}" ;;
     peers-*) printf '%s\n' "${PEERS[@]}" ;;
     ablation-8x256-480-b582310) printf '%s\n' "${ABLATION_B582310[@]}" ;;
     ablation-*) printf '%s\n' "${ABLATION[@]}" ;;
@@ -275,7 +288,7 @@ if [[ "${1:-}" == "--seeds" ]]; then
 fi
 if [[ "${1:-}" == "--list" ]]; then
   for point in "${ORDER[@]}" ablation-8x256-480 ablation-8x256-480-b582310 "${LONG_POINTS[@]}" \
-      "${CONTROL_POINTS[@]}" peers-8x256-480 peers-4x64-18800 bert-8x256-480 bert-8x256-1920 ode-12x256-480; do
+      "${CONTROL_POINTS[@]}" peers-8x256-480 peers2-8x256-480 peers-4x64-18800 bert-8x256-480 bert-8x256-1920 ode-12x256-480; do
     while IFS= read -r recipe; do
       echo "$point: ${POINTS[$point]} $recipe (seeds 1234 to $((1233 + ${SEEDS[$point]:-2})))"
     done < <(recipes_of "$point")
