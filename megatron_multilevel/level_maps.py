@@ -24,6 +24,7 @@ from megatron_multilevel.config.parsing import parse_dataclass
 Pairing = Literal["halves", "adjacent"]
 PAIRINGS = ("halves", "adjacent")
 DEPTH_SCALINGS = ("none", "ode", "identity")
+PARAMETRISATIONS = ("folded", "explicit")
 FORMAT_VERSION = 1
 
 
@@ -385,9 +386,10 @@ def make_level_maps(fine: ModelConfig, num_levels: int, **kwargs) -> list[LevelM
 class LayerSelection:
     """The ODE strategy's coarse model: fine layer ``2i + parity`` becomes coarse layer ``i``.
 
-    Embeddings, final norm and output layer are shared (copied); the residual-branch outputs of a
-    coarse layer are scaled by ``residual_scale`` (an Euler step that long). Nothing is averaged,
-    so the map is the same on every tensor-parallel shard.
+    Embeddings, final norm and output layer are shared (copied); a coarse layer is an Euler step
+    ``residual_scale`` times as long, folded into its residual-branch outputs' weights or taken
+    in the forward pass (``parametrisation``). Nothing is averaged, so the map is the same on
+    every tensor-parallel shard.
     """
 
     fine: ModelConfig
@@ -395,20 +397,21 @@ class LayerSelection:
     parity: int
     """0: the even layers (coarse model A), 1: the odd ones (coarse model B)."""
     residual_scale: int = 2
-    """Factor of the residual-branch outputs of a coarse layer (1 or 2)."""
+    """The coarse step ``h``, 1 or 2: what a coarse layer's residual-branch outputs are multiplied by."""
+    parametrisation: Literal["folded", "explicit"] = "folded"
+    """``folded``: the weights of those outputs are multiplied by ``h`` on restriction;
+    ``explicit``: they are copied and the coarse model's forward pass multiplies the outputs."""
 
     def __post_init__(self):
         if self.parity not in (0, 1):
             raise ValueError(f"layer selection: invalid parity {self.parity!r}; valid choices are [0, 1]")
-        if self.residual_scale not in (1, 2):
-            raise ValueError(
-                f"layer selection: invalid residual_scale {self.residual_scale!r}; valid choices are [1, 2]"
-            )
+        for name, choices in (("residual_scale", [1, 2]), ("parametrisation", list(PARAMETRISATIONS))):
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"layer selection: invalid {name} {value!r}; valid choices are {choices}")
         if self.fine.num_layers % 2:
-            raise ValueError(
-                f"layer selection: model.num_layers = {self.fine.num_layers} is odd; the coarse models keep "
-                f"every other layer of an even number of layers"
-            )
+            raise ValueError(f"layer selection: model.num_layers = {self.fine.num_layers} is odd; the coarse models "
+                             f"keep every other layer of an even number of layers")
 
     @cached_property
     def coarse(self) -> ModelConfig:
@@ -419,20 +422,34 @@ class LayerSelection:
         """The fine layer of each coarse layer, in coarse order."""
         return tuple(range(self.parity, self.fine.num_layers, 2))
 
+    @property
+    def weight_scale(self) -> int:
+        """Factor of a coarse layer's residual-branch weights against its fine layer's."""
+        return self.residual_scale if self.parametrisation == "folded" else 1
+
+    @property
+    def forward_step(self) -> int:
+        """Factor the coarse model's forward pass applies to each residual-branch output."""
+        return self.residual_scale if self.parametrisation == "explicit" else 1
+
     def describe(self) -> str:
         which = "even" if self.parity == 0 else "odd"
+        where = " in the forward pass" if self.parametrisation == "explicit" else ""
         return (f"the {which} fine layers {list(self.layers)} of {self.fine.num_layers}, residual-branch outputs "
-                f"x{self.residual_scale}")
+                f"x{self.residual_scale}{where}")
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT_VERSION, "strategy": "ode", "fine": dataclasses.asdict(self.fine),
-                           "parity": self.parity, "residual_scale": self.residual_scale})
+                           "parity": self.parity, "residual_scale": self.residual_scale,
+                           "parametrisation": self.parametrisation})
 
     @classmethod
     def from_json(cls, text: str) -> "LayerSelection":
+        """Read a layer selection; one written before ``parametrisation`` existed is ``folded``."""
         data = json.loads(text)
-        expected = {"format", "strategy", "fine", "parity", "residual_scale"}
-        if not isinstance(data, dict) or set(data) != expected or data["strategy"] != "ode":
+        expected = {"format", "strategy", "fine", "parity", "residual_scale", "parametrisation"}
+        required = expected - {"parametrisation"}
+        if not isinstance(data, dict) or not required <= set(data) <= expected or data["strategy"] != "ode":
             raise ValueError(f"layer selection: expected keys {sorted(expected)} with strategy 'ode'")
         return cls(parse_dataclass(ModelConfig, data["fine"], "layer_selection.fine"), data["parity"],
-                   data["residual_scale"])
+                   data["residual_scale"], data.get("parametrisation", "folded"))
