@@ -72,6 +72,7 @@ class Trainer:
         if saved is not None and saved != self._config_phases():
             raise ValueError(f"the checkpoint in {self.ctx.run_dir} follows a different schedule; "
                              f"use another training.output_dir")
+        self.cycle.check_resumable(sidecar)
 
     def _say(self, line: str) -> None:
         """A line on the console before the run's metrics exist (rank 0)."""
