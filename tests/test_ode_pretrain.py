@@ -59,6 +59,19 @@ def reference(tmp_path_factory, corpus):
     return {"dir": tmp / "run", "stdout": result.stdout}
 
 
+# The coarse step in the forward pass, the coarse weights copied: the same coarse function at restriction
+EXPLICIT = {**FULL, "parametrisation": "explicit"}
+
+
+@pytest.fixture(scope="module")
+def explicit_reference(tmp_path_factory, corpus):
+    tmp = tmp_path_factory.mktemp("explicit")
+    training = {"output_dir": str(tmp / "run"), "log_interval": 1, "eval_interval": 4, "eval_batches": 2,
+                "save_interval": 3, "seed": 5, "keep_checkpoints": 100}
+    result = _ok(launch(_config(tmp, corpus, "run", ode=EXPLICIT, training=training)))
+    return {"dir": tmp / "run", "stdout": result.stdout}
+
+
 def _flops(num_layers):
     from megatron_multilevel.config import ModelConfig
     from megatron_multilevel.flops import flops_per_token
@@ -157,12 +170,14 @@ def test_the_coherence_term_averaged_over_batches(corpus, tmp_path):
         assert p["extra_flops"] == pytest.approx(3 * (fine + coarse) + fine / 3, rel=1e-12)
 
 
-def _check_coherence_vector(run, *, batches: int) -> None:
-    """The trainer's first coherence vector against MG/OPT's, averaged over ``batches`` batches."""
+def _check_coherence_vector(run, *, batches: int, explicit: bool = False) -> None:
+    """The trainer's first coherence vector against MG/OPT's, averaged over ``batches`` batches;
+    ``explicit``: nothing scaled, the coarse model taking its step x2 in the forward pass instead."""
     from megatron_multilevel.config import load_config
     from megatron_multilevel.data.datasets import build_data, micro_batches
     from megatron_multilevel.distributed import init_single_process
     from megatron_multilevel.models import build_model, language_model_loss
+    from megatron_multilevel.residual_step import set_residual_step
 
     cfg = load_config(json.loads((run.parent / "run.json").read_text()))
     init_single_process()
@@ -173,9 +188,9 @@ def _check_coherence_vector(run, *, batches: int) -> None:
                for s in range(step, step + batches)]
     residual = ("self_attention.linear_proj.", "mlp.linear_fc2.")
 
-    def gradient(model_cfg, params):
+    def gradient(model_cfg, params, step=1):
         """The mean gradient over the batches."""
-        model = build_model(model_cfg)
+        model = set_residual_step(build_model(model_cfg), step)
         missing, unexpected = model.load_state_dict(params, strict=False)
         assert not unexpected and all(k.endswith("_extra_state") for k in missing)
         for batch in batches:
@@ -197,14 +212,15 @@ def _check_coherence_vector(run, *, batches: int) -> None:
     sums = [{n: g0 + g1 / 2 for (n, g0), g1 in zip(layer(g, 0).items(), layer(g, 1).values())},
             {n: g2 + g1 / 2 + g3 for (n, g2), g1, g3 in zip(layer(g, 2).items(), layer(g, 1).values(),
                                                            layer(g, 3).values())}]
+    weights = 1.0 if explicit else 2.0  # the step folded into the weights or not
     restricted = dict(shared)
     for i, values in enumerate(sums):
-        restricted.update({f"decoder.layers.{i}.{n}": t for n, t in scaled(values, 0.5).items()})
+        restricted.update({f"decoder.layers.{i}.{n}": t for n, t in scaled(values, 1 / weights).items()})
     coarse_params = {n: t for n, t in fine.items() if not n.startswith("decoder.layers.")}
     for i, j in enumerate((0, 2)):
-        coarse_params.update({f"decoder.layers.{i}.{n}": t for n, t in scaled(layer(fine, j), 2.0).items()})
+        coarse_params.update({f"decoder.layers.{i}.{n}": t for n, t in scaled(layer(fine, j), weights).items()})
     coarse_cfg = dataclasses.replace(cfg.model, num_layers=2)
-    g_coarse = gradient(coarse_cfg, coarse_params)
+    g_coarse = gradient(coarse_cfg, coarse_params, step=2 if explicit else 1)
     installed = torch.load(run / "checkpoints" / f"phase01-step{1:07d}" / "coherence.pt", weights_only=True)
     assert set(installed) == set(g_coarse)
     for name, v in installed.items():
@@ -212,17 +228,47 @@ def _check_coherence_vector(run, *, batches: int) -> None:
         assert torch.allclose(v.double(), expected, atol=1e-6, rtol=1e-4), name
 
 
-@pytest.mark.parametrize("crash_at, resumed_phase", [
-    pytest.param("step4", 1, id="mid-coarse"),
-    pytest.param("transition2", 1, id="during-prolongation", marks=pytest.mark.slow),
-    pytest.param("transition4", 3, id="during-restriction", marks=pytest.mark.slow),
+@pytest.mark.parametrize("crash_at, resumed_phase, explicit", [
+    pytest.param("step4", 1, False, id="mid-coarse"),
+    pytest.param("transition2", 1, False, id="during-prolongation", marks=pytest.mark.slow),
+    pytest.param("transition4", 3, False, id="during-restriction", marks=pytest.mark.slow),
+    pytest.param("step4", 1, True, id="explicit-mid-coarse"),
 ])
-def test_resume_after_kill_follows_the_same_trajectory(reference, corpus, tmp_path, crash_at, resumed_phase):
+def test_resume_after_kill_follows_the_same_trajectory(request, corpus, tmp_path, crash_at, resumed_phase, explicit):
+    """Explicit: the resumed coarse model takes its step in the forward pass again."""
     training = {"output_dir": str(tmp_path / "run"), "log_interval": 1, "eval_interval": 4, "eval_batches": 2,
                 "save_interval": 3, "seed": 5, "keep_checkpoints": 100}
-    run = _crash_and_resume(tmp_path, corpus, crash_at, FULL, training=training)
+    run = _crash_and_resume(tmp_path, corpus, crash_at, EXPLICIT if explicit else FULL, training=training)
     assert [r["phase"] for r in records(run, "resume")] == [resumed_phase]
-    _assert_same_run(run, reference["dir"], 1e-6)
+    _assert_same_run(run, request.getfixturevalue("explicit_reference" if explicit else "reference")["dir"], 1e-6)
+
+
+def test_the_explicit_step_starts_from_the_same_function_and_trains_otherwise(reference, explicit_reference):
+    """Against the folded run of the same config: the same fine steps, the same loss on the first
+    coarse batch (the same coarse function), then other losses (other gradients: the explicit
+    coarse model's residual-branch parameters move the function twice as much per step); it learns,
+    and its coherence vector is MG/OPT's with nothing scaled."""
+    run, folded = explicit_reference["dir"], reference["dir"]
+    assert "restricted to the even fine layers [0, 2] of 4, residual-branch outputs x2 in the forward pass" in \
+        explicit_reference["stdout"]
+    sidecar = json.loads((run / "checkpoints" / "phase01-step0000001" / "multilevel.json").read_text())
+    assert json.loads(sidecar["selection"])["parametrisation"] == "explicit"
+    ours, theirs = ({r["global_step"]: r["loss"] for r in records(d, "train")} for d in (run, folded))
+    assert [ours[s] for s in (1, 2)] == [theirs[s] for s in (1, 2)]  # fine, before any coarse step
+    assert ours[3] == pytest.approx(theirs[3], abs=1e-6)  # the coarse model at the restricted point
+    assert all(abs(ours[s] - theirs[s]) > 1e-5 for s in (4, 5))
+    valid = records(run, "valid")
+    assert valid[-1]["loss"] < valid[0]["loss"] - 0.3
+    _check_coherence_vector(run, batches=1, explicit=True)
+
+
+def test_at_residual_scale_1_the_parametrisations_are_one_run(corpus, tmp_path):
+    """No step to fold or to take: the explicit and folded runs are the same run, loss for loss."""
+    ode = {**ODE, "cycles": 1, "residual_scale": 1, "optimizer_state": "map"}
+    for name in ("folded", "explicit"):
+        _ok(launch(_config(tmp_path, corpus, name, ode={**ode, "parametrisation": name})))
+    assert losses(tmp_path / "explicit") == losses(tmp_path / "folded")
+    assert [p["level"] for p in _summary(tmp_path / "explicit")["phases"]] == [0, 1, 0, 0]
 
 
 @pytest.fixture(scope="module")
