@@ -139,6 +139,31 @@ MUTATIONS = [
                'DEGREE = {"exp_avg": -1, "exp_avg_sq": -2, "momentum_buffer": -1}',
                'DEGREE = {"exp_avg": 1, "exp_avg_sq": 2, "momentum_buffer": 1}'),),
              ("tests/test_ode.py::test_moments_restrict_in_gradient_units",)),
+    Mutation("ode-explicit-no-step", "the explicit coarse model's forward pass takes no step (no hooks)",
+             (("megatron_multilevel/residual_step.py", "        if step != 1:\n", "        if False:\n"),),
+             ("tests/test_ode_explicit.py::test_the_explicit_coarse_model_computes_the_folded_ones_function",)),
+    Mutation("ode-explicit-weights-scaled", "the explicit restriction scales the weights too",
+             (("megatron_multilevel/level_maps.py",
+               'return self.residual_scale if self.parametrisation == "folded" else 1', "return self.residual_scale"),),
+             ("tests/test_ode_explicit.py::test_the_explicit_coarse_model_computes_the_folded_ones_function",)),
+    Mutation("ode-explicit-adjoint-scaled", "the explicit gradient restriction divides by the residual scale",
+             (("megatron_multilevel/ode_operators.py",
+               "scaled = scale_residuals(layers[j], selection, 1.0 / selection.weight_scale)",
+               "scaled = scale_residuals(layers[j], selection, 1.0 / selection.residual_scale)"),),
+             ("tests/test_ode_adjoint.py::test_gradient_restriction_is_the_adjoint_of_prolongation",)),
+    Mutation("ode-explicit-moments-scaled", "the explicit moment mapping scales by the residual scale",
+             (("megatron_multilevel/ode_operators.py",
+               "return scale_residuals(fine_layer, selection, float(selection.weight_scale) ** degree)",
+               "return scale_residuals(fine_layer, selection, float(selection.residual_scale) ** degree)"),),
+             ("tests/test_ode_explicit.py::"
+              "test_the_explicit_restriction_copies_and_its_moments_carry_over_unscaled",)),
+    Mutation("ode-explicit-trainer-folds", "the trainer restricts as folded while the coarse model takes the step",
+             (("megatron_multilevel/training/ode_cycle.py",
+               "LayerSelection(self.ctx.levels.models[0], phase.parity, self.ode.residual_scale,\n"
+               "                              self.ode.parametrisation)",
+               "LayerSelection(self.ctx.levels.models[0], phase.parity, self.ode.residual_scale)"),),
+             ("tests/test_ode_pretrain.py::"
+              "test_the_explicit_step_starts_from_the_same_function_and_trains_otherwise",)),
 ]
 
 
