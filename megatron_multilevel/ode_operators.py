@@ -93,6 +93,18 @@ def restrict(state_dict: Mapping[str, torch.Tensor], selection: LayerSelection, 
     return out
 
 
+def fold_step(coarse: Mapping[str, torch.Tensor], selection: LayerSelection) -> StateDict:
+    """The parameters of a coarse model of ``selection`` with its forward step folded into its
+    residual-branch outputs: the plain coarse model of the same function (for an explicit one, the
+    folded one's parameters; for a folded one, a copy)."""
+    model, layers = split_layers(coarse, selection.fine, selection.coarse.num_layers, "coarse")
+    out = {name: t.clone() for name, t in model.items()}
+    for i, layer in enumerate(layers):
+        folded = scale_residuals(layer, selection, float(selection.forward_step))
+        out.update({layer_prefix(selection.coarse, i) + name: t for name, t in folded.items()})
+    return out
+
+
 def restrict_gradient(gradient: Mapping[str, torch.Tensor], selection: LayerSelection,
                       prolongation: "Prolongation" = "correction") -> StateDict:
     """How a gradient of the fine loss restricts: the adjoint ``P^T`` of the prolongation of coarse

@@ -8,7 +8,8 @@ import torch
 from conftest import random_state_dict, small_config
 from megatron_multilevel.config import load_config
 from megatron_multilevel.level_maps import LayerSelection
-from megatron_multilevel.ode_operators import restrict, unrestrict_layer
+from megatron_multilevel.checkpoints import verify
+from megatron_multilevel.ode_operators import fold_step, restrict, unrestrict_layer
 from megatron_multilevel.residual_step import residual_step, set_residual_step
 
 pytestmark = pytest.mark.usefixtures("dist_single")
@@ -47,6 +48,8 @@ def test_the_explicit_coarse_model_computes_the_folded_ones_function(variant, pa
     assert residual_step(model) == scale
     expected = _logits(_coarse_model(restrict(fine, folded), folded), cfg)
     torch.testing.assert_close(_logits(model, cfg), expected, rtol=1e-5, atol=1e-5)
+    # the step folded into the explicit weights (to-hf exports so) gives the folded weights bit for bit
+    assert not verify.mismatched(fold_step(weights, explicit), restrict(fine, folded))
     if scale == 2:
         name = ("decoder" if cfg.kind == "gpt" else "encoder") + ".layers.0.mlp.linear_fc2.weight"
         assert torch.equal(2 * weights[name], restrict(fine, folded)[name])

@@ -4,11 +4,13 @@ every transition, resume after a kill anywhere, SGD and AdamW, GPT and BERT, two
 import dataclasses
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from launch_helpers import launch, losses, make_corpus, module_states, preprocess, records, small_config
+from launch_helpers import ROOT, launch, losses, make_corpus, module_states, preprocess, records, small_config
 
 SEQ, GLOBAL_BATCH = 32, 8
 ODE = {
@@ -39,6 +41,12 @@ def _config(tmp_path, corpus, name, *, ode, kind="gpt", **blocks):
     config["multilevel"] = {"enabled": True, "strategy": "ode", "ode": ode}
     path.write_text(json.dumps(config, indent=1))
     return path
+
+
+def _tool(name, *args):
+    """``tools/NAME ARGS`` with this interpreter; output captured."""
+    return subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
 
 
 def _ok(result):
@@ -384,25 +392,16 @@ def test_coarse_tensor_parallel_change_resumes_on_the_same_trajectory(coarse_lay
     """Killed mid coarse phase (after its checkpoint at global step 3): the tools read the coarse
     checkpoint in its own layout; the resumed run rebuilds the fine model from the TP=2 checkpoint
     before the coarse phase and the coherence vector at TP=1, and follows the run that was not killed."""
-    import subprocess
-    import sys
-
-    from launch_helpers import ROOT
-
     config = _coarse_layout_config(tmp_path, corpus, "run")
     crashed = launch(config, "--num_procs", 2, env={"MEGATRON_MULTILEVEL_CRASH_AT": "step5"})
     assert crashed.returncode != 0
     run = tmp_path / "run"
     assert (run / "checkpoints" / "latest").read_text() == "phase01-step0000001"
 
-    def tool(name, *args):
-        return subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)], capture_output=True,
-                              text=True, timeout=600, cwd=ROOT)
-
-    info = tool("inspect_checkpoint.py", run)
+    info = _tool("inspect_checkpoint.py", run)
     assert info.returncode == 0, info.stderr[-3000:]
     assert "layout: TP=1, ZeRO stage 3" in info.stdout and "the even fine layers [0, 2] of 4" in info.stdout
-    full = tool("convert_checkpoint.py", "to-full", run, tmp_path / "full")
+    full = _tool("convert_checkpoint.py", "to-full", run, tmp_path / "full")
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
     resumed = _ok(launch(config, "--num_procs", 2))
     assert "resuming from phase01-step0000001" in resumed.stdout
@@ -413,11 +412,6 @@ def test_checkpoint_tools_on_a_coarse_phase(corpus, tmp_path):
     """A run killed in its second coarse phase (the odd layers), at TP=2 with ZeRO-1: the tools say
     which fine layers the latest checkpoint holds, consolidate it, refuse to de-coalesce it, and
     reshard the run, which then finishes at the new size."""
-    import subprocess
-    import sys
-
-    from launch_helpers import ROOT
-
     training = {"output_dir": str(tmp_path / "run"), "log_interval": 1, "eval_interval": 100, "eval_batches": 1,
                 "save_interval": 11, "seed": 5}
     config = _config(tmp_path, corpus, "run", ode={**FULL, "line_search": False}, training=training,
@@ -427,31 +421,51 @@ def test_checkpoint_tools_on_a_coarse_phase(corpus, tmp_path):
     ckpts = tmp_path / "run" / "checkpoints"
     assert (ckpts / "latest").read_text() == "phase04-step0000002"  # global step 11, mid coarse phase
 
-    def tool(name, *args):
-        return subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)], capture_output=True,
-                              text=True, timeout=600, cwd=ROOT)
-
-    info = tool("inspect_checkpoint.py", tmp_path / "run")
+    info = _tool("inspect_checkpoint.py", tmp_path / "run")
     assert info.returncode == 0, info.stderr[-3000:]
     assert "level 1: gpt, 2 layers, hidden 64" in info.stdout and "layout: TP=2, ZeRO stage 1" in info.stdout
     assert "ODE strategy, coarse model: holds the odd fine layers [1, 3] of 4, residual-branch outputs x2" in info.stdout
-    out = tool("convert_checkpoint.py", "to-full", tmp_path / "run", tmp_path / "full")
+    out = _tool("convert_checkpoint.py", "to-full", tmp_path / "run", tmp_path / "full")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "| source (TP=2) | consolidated (TP=1) |" in out.stdout
-    info = tool("inspect_checkpoint.py", tmp_path / "full", "--json")
+    info = _tool("inspect_checkpoint.py", tmp_path / "full", "--json")
     assert json.loads(info.stdout)["ode_selection"]["fine_layers"] == [1, 3]
-    out = tool("convert_checkpoint.py", "decoalesce", tmp_path / "full", tmp_path / "fine")
+    out = _tool("convert_checkpoint.py", "decoalesce", tmp_path / "full", tmp_path / "fine")
     assert out.returncode == 2 and "is a coarse model of the ODE strategy (the odd fine layers [1, 3]" in out.stderr
-    fine = tool("convert_checkpoint.py", "to-full", ckpts / "phase03-step0000002", tmp_path / "fine_full")
+    fine = _tool("convert_checkpoint.py", "to-full", ckpts / "phase03-step0000002", tmp_path / "fine_full")
     assert fine.returncode == 0, fine.stderr[-3000:]
-    assert "ode_selection" not in json.loads(tool("inspect_checkpoint.py", tmp_path / "fine_full", "--json").stdout)
-    out = tool("convert_checkpoint.py", "reshard", tmp_path / "run", tmp_path / "tp1", "--target-tp", 1)
+    assert "ode_selection" not in json.loads(_tool("inspect_checkpoint.py", tmp_path / "fine_full", "--json").stdout)
+    out = _tool("convert_checkpoint.py", "reshard", tmp_path / "run", tmp_path / "tp1", "--target-tp", 1)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "tp1" / "checkpoints" / "phase04-step0000002" / "coherence.pt").is_file()
     assert (tmp_path / "tp1" / "checkpoints" / "phase03-step0000002").is_dir()  # the fine model before the phase
     resumed = _ok(launch(tmp_path / "tp1" / "config.json"))
     assert "resuming from phase04-step0000002" in resumed.stdout
     assert [p["level"] for p in _summary(tmp_path / "tp1")["phases"]] == [0, 1, 0, 0, 1, 0, 0]
+
+
+def test_checkpoint_tools_on_an_explicit_coarse_phase(explicit_reference, tmp_path):
+    """The explicit coarse model's checkpoint (the fine layers' weights, the step in the forward
+    pass): the tools say so, consolidate it and export it to transformers (the step folded into the
+    weights), each checking its logits against the model that takes the step; the run as it stood
+    at the end of that phase reshards to TP=2, the new checkpoint loaded as the trainer loads it."""
+    import shutil
+
+    ckpts = explicit_reference["dir"] / "checkpoints"
+    coarse = ckpts / "phase01-step0000003"  # the end of the first coarse phase
+    info = _tool("inspect_checkpoint.py", coarse)
+    assert info.returncode == 0, info.stderr[-3000:]
+    assert "holds the even fine layers [0, 2] of 4, residual-branch outputs x2 in the forward pass" in info.stdout
+    run = tmp_path / "run"
+    for tag in ("phase00-step0000002", "phase01-step0000003"):  # the coarse checkpoint and the one it needs
+        shutil.copytree(ckpts / tag, run / "checkpoints" / tag)
+    (run / "checkpoints" / "latest").write_text("phase01-step0000003")
+    for args in (("to-full", coarse, tmp_path / "full"), ("to-hf", coarse, tmp_path / "hf"),
+                 ("reshard", run, tmp_path / "tp2", "--target-tp", 2)):
+        out = _tool("convert_checkpoint.py", *args)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    info = _tool("inspect_checkpoint.py", tmp_path / "full", "--json")
+    assert json.loads(info.stdout)["ode_selection"]["parametrisation"] == "explicit"
 
 
 def test_coarse_first_writes_the_change_into_both_layers_of_each_pair(corpus, tmp_path):

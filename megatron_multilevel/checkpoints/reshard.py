@@ -101,7 +101,8 @@ def reshard(src: str, out: str, *, target_tp: int, overwrite: bool = False) -> N
                       "model": ckpt.model, "path": ckpt.path})
     latest = items[-1]
     tokens = verify.fixed_tokens(latest["model"])
-    full_logits = verify.logits_full(latest["tensors"], latest["model"], tokens)
+    step = verify.forward_step(latest["meta"])  # an explicit ODE coarse model's, which the trainer's model takes
+    full_logits = verify.logits_full(latest["tensors"], latest["model"], tokens, step=step)
     os.makedirs(out, exist_ok=True)
     payload = [{k: v for k, v in item.items() if k != "model"} for item in items]
     logits = run_ranks(rank_worker, target_tp, config_to_dict(parsed), os.path.abspath(out), payload, tokens,
