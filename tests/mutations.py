@@ -164,10 +164,10 @@ MUTATIONS = [
                "LayerSelection(self.ctx.levels.models[0], phase.parity, self.ode.residual_scale)"),),
              ("tests/test_ode_pretrain.py::"
               "test_the_explicit_step_starts_from_the_same_function_and_trains_otherwise",)),
-    Mutation("ode-explicit-hf-unfolded", "to-hf exports an explicit coarse model without its step",
+    Mutation("ode-explicit-unfolded", "to-hf and init-run take an explicit coarse model without its step",
              (("megatron_multilevel/checkpoints/convert.py",
-               "tensors = source.tensors if source.step == 1 else fold_step(source.tensors, source.selection)",
-               "tensors = source.tensors"),),
+               "return self.tensors if self.step == 1 else fold_step(self.tensors, self.selection)",
+               "return self.tensors"),),
              ("tests/test_ode_pretrain.py::test_checkpoint_tools_on_an_explicit_coarse_phase",)),
     Mutation("ode-explicit-reshard-no-step", "reshard checks an explicit coarse model against logits without its step",
              (("megatron_multilevel/checkpoints/reshard.py",

@@ -446,9 +446,10 @@ def test_checkpoint_tools_on_a_coarse_phase(corpus, tmp_path):
 
 def test_checkpoint_tools_on_an_explicit_coarse_phase(explicit_reference, tmp_path):
     """The explicit coarse model's checkpoint (the fine layers' weights, the step in the forward
-    pass): the tools say so, consolidate it and export it to transformers (the step folded into the
-    weights), each checking its logits against the model that takes the step; the run as it stood
-    at the end of that phase reshards to TP=2, the new checkpoint loaded as the trainer loads it."""
+    pass): the tools say so, consolidate it, export it to transformers and start a plain 2-layer run
+    from it (the step folded into the weights), each checking its logits against the model that
+    takes the step; the run as it stood at the end of that phase reshards to TP=2, the new
+    checkpoint loaded as the trainer loads it."""
     import shutil
 
     ckpts = explicit_reference["dir"] / "checkpoints"
@@ -460,7 +461,12 @@ def test_checkpoint_tools_on_an_explicit_coarse_phase(explicit_reference, tmp_pa
     for tag in ("phase00-step0000002", "phase01-step0000003"):  # the coarse checkpoint and the one it needs
         shutil.copytree(ckpts / tag, run / "checkpoints" / tag)
     (run / "checkpoints" / "latest").write_text("phase01-step0000003")
+    config = json.loads((explicit_reference["dir"].parent / "run.json").read_text())  # a plain 2-layer run
+    config.update(multilevel={"enabled": False}, model={**config["model"], "num_layers": 2})
+    config["training"]["train_steps"] = 4
+    (tmp_path / "coarse.json").write_text(json.dumps(config))
     for args in (("to-full", coarse, tmp_path / "full"), ("to-hf", coarse, tmp_path / "hf"),
+                 ("init-run", coarse, tmp_path / "init", "--config", tmp_path / "coarse.json"),
                  ("reshard", run, tmp_path / "tp2", "--target-tp", 2)):
         out = _tool("convert_checkpoint.py", *args)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -51,6 +51,11 @@ class Source:
         """The step its forward pass takes: an explicit ODE coarse model's, else 1."""
         return verify.forward_step(self.description)
 
+    def plain_tensors(self) -> dict:
+        """Its tensors for a model that takes no step (transformers', a new run's), computing the same
+        function: an explicit ODE coarse model's step folded into its weights."""
+        return self.tensors if self.step == 1 else fold_step(self.tensors, self.selection)
+
 
 def run_tokenizer(config: dict, run_dir: Optional[str] = None) -> Optional[str]:
     """The tokenizer a run trained with: the copy kept in its run directory (``run_dir``), else its
@@ -227,8 +232,7 @@ def to_hf(src: str, out: str, *, overwrite: bool, tokenizer: Optional[str] = Non
     if tokenizer is not None and not os.path.exists(tokenizer):
         raise ValueError(f"--tokenizer {tokenizer!r} does not exist")
     prepare_output(out, overwrite, src)
-    # transformers' models take no step: an explicit ODE coarse model's is folded into its weights
-    tensors = source.tensors if source.step == 1 else fold_step(source.tensors, source.selection)
+    tensors = source.plain_tensors()
     hf_sd = to_hf_state_dict(tensors, source.model)
     _check_round_trip("Megatron -> Hugging Face -> Megatron tensors",
                       verify.mismatched(from_hf_state_dict(hf_sd, source.model), tensors))
