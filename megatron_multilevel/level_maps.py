@@ -24,6 +24,7 @@ from megatron_multilevel.config.parsing import parse_dataclass
 Pairing = Literal["halves", "adjacent"]
 PAIRINGS = ("halves", "adjacent")
 DEPTH_SCALINGS = ("none", "ode", "identity")
+PARAMETRISATIONS = ("folded", "explicit")
 FORMAT_VERSION = 1
 
 
@@ -68,9 +69,7 @@ class Grouping:
         if pairing not in PAIRINGS:
             raise ValueError(f"invalid pairing {pairing!r}; valid choices are {list(PAIRINGS)}")
         if n % (2 * shards * block):
-            raise ValueError(
-                f"{n} units cannot be paired in blocks of {block} inside {shards} shard(s)"
-            )
+            raise ValueError(f"{n} units cannot be paired in blocks of {block} inside {shards} shard(s)")
         per_shard = n // shards // block
         local = getattr(cls, pairing)(per_shard).assignment
         blocks = [r * (per_shard // 2) + local[b] for r in range(shards) for b in range(per_shard)]
@@ -165,10 +164,8 @@ class LevelMap:
         if any(g is None for g in width) and any(g is not None for g in width):
             raise ValueError("level map: hidden, query_groups and ffn groupings go together")
         if self.depth_scaling not in DEPTH_SCALINGS:
-            raise ValueError(
-                f"level map: invalid depth_scaling {self.depth_scaling!r}; "
-                f"valid choices are {list(DEPTH_SCALINGS)}"
-            )
+            raise ValueError(f"level map: invalid depth_scaling {self.depth_scaling!r}; "
+                             f"valid choices are {list(DEPTH_SCALINGS)}")
         self.check_model(self.fine)
         if self.coarse is None:  # pragma: no cover - coarse_model_config raises first
             raise AssertionError
@@ -195,19 +192,15 @@ class LevelMap:
         }
         for name, grouping in expected.items():
             if grouping is not None and grouping.num_fine != getattr(cfg, name):
-                raise ValueError(
-                    f"level map does not match the model: its grouping has {grouping.num_fine} "
-                    f"units for model.{name} = {getattr(cfg, name)}"
-                )
+                raise ValueError(f"level map does not match the model: its grouping has {grouping.num_fine} "
+                                 f"units for model.{name} = {getattr(cfg, name)}")
         for name in ("kind", "num_attention_heads", "kv_channels", "activation",
                      "share_embeddings_and_output_weights", "normalization", "add_bias_linear",
                      "num_layers", "hidden_size", "num_query_groups", "ffn_hidden_size",
                      "vocab_size", "position_embedding_type", "num_tokentypes", "add_binary_head"):
             if getattr(cfg, name) != getattr(self.fine, name):
-                raise ValueError(
-                    f"level map does not match the model: model.{name} is {getattr(cfg, name)!r}, "
-                    f"the map was made for {getattr(self.fine, name)!r}"
-                )
+                raise ValueError(f"level map does not match the model: model.{name} is {getattr(cfg, name)!r}, "
+                                 f"the map was made for {getattr(self.fine, name)!r}")
 
     @cached_property
     def unit_groupings(self) -> dict[str, Grouping]:
@@ -385,9 +378,10 @@ def make_level_maps(fine: ModelConfig, num_levels: int, **kwargs) -> list[LevelM
 class LayerSelection:
     """The ODE strategy's coarse model: fine layer ``2i + parity`` becomes coarse layer ``i``.
 
-    Embeddings, final norm and output layer are shared (copied); the residual-branch outputs of a
-    coarse layer are scaled by ``residual_scale`` (an Euler step that long). Nothing is averaged,
-    so the map is the same on every tensor-parallel shard.
+    Embeddings, final norm and output layer are shared (copied); a coarse layer is an Euler step
+    ``residual_scale`` times as long, folded into its residual-branch outputs' weights or taken
+    in the forward pass (``parametrisation``). Nothing is averaged, so the map is the same on
+    every tensor-parallel shard.
     """
 
     fine: ModelConfig
@@ -395,20 +389,21 @@ class LayerSelection:
     parity: int
     """0: the even layers (coarse model A), 1: the odd ones (coarse model B)."""
     residual_scale: int = 2
-    """Factor of the residual-branch outputs of a coarse layer (1 or 2)."""
+    """The coarse step ``h``, 1 or 2: what a coarse layer's residual-branch outputs are multiplied by."""
+    parametrisation: Literal["folded", "explicit"] = "folded"
+    """``folded``: the weights of those outputs are multiplied by ``h`` on restriction;
+    ``explicit``: they are copied and the coarse model's forward pass multiplies the outputs."""
 
     def __post_init__(self):
         if self.parity not in (0, 1):
             raise ValueError(f"layer selection: invalid parity {self.parity!r}; valid choices are [0, 1]")
-        if self.residual_scale not in (1, 2):
-            raise ValueError(
-                f"layer selection: invalid residual_scale {self.residual_scale!r}; valid choices are [1, 2]"
-            )
+        for name, choices in (("residual_scale", [1, 2]), ("parametrisation", list(PARAMETRISATIONS))):
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"layer selection: invalid {name} {value!r}; valid choices are {choices}")
         if self.fine.num_layers % 2:
-            raise ValueError(
-                f"layer selection: model.num_layers = {self.fine.num_layers} is odd; the coarse models keep "
-                f"every other layer of an even number of layers"
-            )
+            raise ValueError(f"layer selection: model.num_layers = {self.fine.num_layers} is odd; the coarse models "
+                             f"keep every other layer of an even number of layers")
 
     @cached_property
     def coarse(self) -> ModelConfig:
@@ -419,20 +414,34 @@ class LayerSelection:
         """The fine layer of each coarse layer, in coarse order."""
         return tuple(range(self.parity, self.fine.num_layers, 2))
 
+    @property
+    def weight_scale(self) -> int:
+        """Factor of a coarse layer's residual-branch weights against its fine layer's."""
+        return self.residual_scale if self.parametrisation == "folded" else 1
+
+    @property
+    def forward_step(self) -> int:
+        """Factor the coarse model's forward pass applies to each residual-branch output."""
+        return self.residual_scale if self.parametrisation == "explicit" else 1
+
     def describe(self) -> str:
         which = "even" if self.parity == 0 else "odd"
+        where = " in the forward pass" if self.parametrisation == "explicit" else ""
         return (f"the {which} fine layers {list(self.layers)} of {self.fine.num_layers}, residual-branch outputs "
-                f"x{self.residual_scale}")
+                f"x{self.residual_scale}{where}")
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT_VERSION, "strategy": "ode", "fine": dataclasses.asdict(self.fine),
-                           "parity": self.parity, "residual_scale": self.residual_scale})
+                           "parity": self.parity, "residual_scale": self.residual_scale,
+                           "parametrisation": self.parametrisation})
 
     @classmethod
     def from_json(cls, text: str) -> "LayerSelection":
+        """Read a layer selection; one written before ``parametrisation`` existed is ``folded``."""
         data = json.loads(text)
-        expected = {"format", "strategy", "fine", "parity", "residual_scale"}
-        if not isinstance(data, dict) or set(data) != expected or data["strategy"] != "ode":
+        expected = {"format", "strategy", "fine", "parity", "residual_scale", "parametrisation"}
+        required = expected - {"parametrisation"}
+        if not isinstance(data, dict) or not required <= set(data) <= expected or data["strategy"] != "ode":
             raise ValueError(f"layer selection: expected keys {sorted(expected)} with strategy 'ode'")
         return cls(parse_dataclass(ModelConfig, data["fine"], "layer_selection.fine"), data["parity"],
-                   data["residual_scale"])
+                   data["residual_scale"], data.get("parametrisation", "folded"))

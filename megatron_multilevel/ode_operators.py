@@ -5,19 +5,36 @@ live models, one parameter at a time.
 
 A pre-LN layer is one Euler step ``x <- x + h F(x; theta_l)``. The coarse model of a
 :class:`~megatron_multilevel.level_maps.LayerSelection` takes every other layer with a step
-``residual_scale`` times as long:
+``h = residual_scale`` times as long. ``F``'s residual-branch outputs (``ParamRule.residual``:
+attention output projection and second FFN linear, weight and bias) are linear in their own
+parameters, so ``h F(x; theta) = F(x; S theta)``, ``S`` multiplying those parameters by ``h``. The
+selection's ``parametrisation`` says where ``h`` goes, and ``s = selection.weight_scale`` is its
+factor on the weights: ``h`` (``folded``: ``S`` applied to the weights, the coarse forward pass
+plain) or 1 (``explicit``: the weights copied, the coarse forward pass multiplying each
+residual-branch output by ``h``, ``residual_step.py``). From the same fine model both compute the
+same function. Everything below is written with ``s``:
 
 - restriction ``R``: coarse layer ``i`` is a copy of fine layer ``2i + parity`` with its
-  residual-branch outputs (``ParamRule.residual``) multiplied by ``s = residual_scale``; the shared
-  parameters (embeddings, final norm, output layer) are copied. ``R`` is linear and acts on
-  optimizer moments the same way (``degree`` 2 for squared moments). Gradients restrict
-  differently, by the adjoint of the prolongation (:func:`restrict_gradient`).
+  residual-branch outputs multiplied by ``s``; the shared parameters (embeddings, final norm,
+  output layer) are copied. ``R`` is linear and acts on optimizer moments the same way
+  (``degree`` 2 for squared moments). Gradients restrict differently, by the adjoint of the
+  prolongation (:func:`restrict_gradient`).
 - prolongation: the fine model before restriction plus the coarse change, ``theta_h + c P (theta_H_end
   - theta_H_start)``, where ``P`` divides the residual-branch outputs by ``s`` and writes coarse layer
   ``i``'s change into fine layer ``2i + parity`` (``correction``), and also into the skipped layer of
   the same pair (``constant``) or the mean of the two neighbouring changes into each skipped layer
   (``linear``). With no coarse change the fine model comes back bit for bit; multiplying and dividing
   by 1 or 2 is exact in binary floating point.
+
+Why the explicit form takes ``s = 1`` throughout. Write ``L_f(psi)`` for the folded coarse loss
+and ``L_e(phi) = L_f(S phi)`` for the explicit one: the explicit coarse model at ``phi = theta``
+(the copied fine layers) computes what the folded one computes at ``psi = S theta``. A change of
+``phi`` is a change of the fine parameters as they stand, so ``P`` writes it back unscaled; such a
+``P`` only copies and sums with weights, and its adjoint (``<P^T g, e> = <g, P e>``) sums the
+receiving fine layers' gradients with the same weights and scales nothing. The optimizer moments,
+in gradient units of parameters that are the fine ones, carry over with factor ``1 = s ** degree``.
+In the folded form a change of ``psi`` is ``S`` times one of ``theta`` and ``grad L_f = S^-1 grad
+L_e`` (the chain rule), hence ``1 / s`` in ``P`` and ``P^T`` and the moments' degrees -1 and -2.
 """
 
 from typing import Literal, Mapping, Optional, Sequence
@@ -55,15 +72,15 @@ def scale_residuals(layer: Mapping[str, torch.Tensor], selection: LayerSelection
 
 def restrict_layer(fine_layer: Mapping[str, torch.Tensor], selection: LayerSelection, *, degree: int = 1) -> StateDict:
     """The coarse layer made from its fine layer: its residual-branch outputs times
-    ``residual_scale ** degree`` (1 for parameters; -1 and -2 for optimizer moments, which are in
+    ``weight_scale ** degree`` (1 for parameters; -1 and -2 for optimizer moments, which are in
     gradient and squared-gradient units: ``parallel.ode_transition.DEGREE``)."""
-    return scale_residuals(fine_layer, selection, float(selection.residual_scale) ** degree)
+    return scale_residuals(fine_layer, selection, float(selection.weight_scale) ** degree)
 
 
 def unrestrict_layer(coarse_layer: Mapping[str, torch.Tensor], selection: LayerSelection, *,
                      degree: int = 1) -> StateDict:
     """The inverse of :func:`restrict_layer` (used to carry optimizer moments back)."""
-    return scale_residuals(coarse_layer, selection, float(selection.residual_scale) ** -degree)
+    return scale_residuals(coarse_layer, selection, float(selection.weight_scale) ** -degree)
 
 
 def restrict(state_dict: Mapping[str, torch.Tensor], selection: LayerSelection, *, degree: int = 1) -> StateDict:
@@ -76,6 +93,18 @@ def restrict(state_dict: Mapping[str, torch.Tensor], selection: LayerSelection, 
     return out
 
 
+def fold_step(coarse: Mapping[str, torch.Tensor], selection: LayerSelection) -> StateDict:
+    """The parameters of a coarse model of ``selection`` with its forward step folded into its
+    residual-branch outputs: the plain coarse model of the same function (for an explicit one, the
+    folded one's parameters; for a folded one, a copy)."""
+    model, layers = split_layers(coarse, selection.fine, selection.coarse.num_layers, "coarse")
+    out = {name: t.clone() for name, t in model.items()}
+    for i, layer in enumerate(layers):
+        folded = scale_residuals(layer, selection, float(selection.forward_step))
+        out.update({layer_prefix(selection.coarse, i) + name: t for name, t in folded.items()})
+    return out
+
+
 def restrict_gradient(gradient: Mapping[str, torch.Tensor], selection: LayerSelection,
                       prolongation: "Prolongation" = "correction") -> StateDict:
     """How a gradient of the fine loss restricts: the adjoint ``P^T`` of the prolongation of coarse
@@ -84,17 +113,18 @@ def restrict_gradient(gradient: Mapping[str, torch.Tensor], selection: LayerSele
     coherence: a descent direction of the corrected coarse objective is then one of the fine loss
     once prolonged. Coarse layer ``i`` gathers every fine layer that receives its change, weighted
     as it receives it (``prolongation_sources``), with the residual-branch outputs divided by the
-    residual scale (``P`` divides them so; the map is diagonal, its own transpose); the shared
-    parameters' gradients are copied. Not :func:`restrict`: where parameters restrict as
-    ``theta_H = s theta_h``, gradients scale by ``1 / s`` (the chain rule), and with ``constant``
-    or ``linear`` prolongation a coarse layer's gradient sums its pair's or neighbours'."""
+    weight scale ``s`` (``P`` divides them so; the map is diagonal, its own transpose: 1 in the
+    explicit parametrisation); the shared parameters' gradients are copied. Not :func:`restrict`:
+    where parameters restrict as ``theta_H = s theta_h``, gradients scale by ``1 / s`` (the chain
+    rule), and with ``constant`` or ``linear`` prolongation a coarse layer's gradient sums its
+    pair's or neighbours'."""
     model, layers = split_layers(gradient, selection.fine, selection.fine.num_layers, "fine")
     out = {name: t.clone() for name, t in model.items()}
     sums: list[Optional[StateDict]] = [None] * selection.coarse.num_layers
     for j, sources in enumerate(prolongation_sources(selection, prolongation)):
         if not sources:
             continue
-        scaled = scale_residuals(layers[j], selection, 1.0 / selection.residual_scale)
+        scaled = scale_residuals(layers[j], selection, 1.0 / selection.weight_scale)
         for i, weight in sources:
             part = scaled if weight == 1.0 else {name: t * weight for name, t in scaled.items()}
             sums[i] = part if sums[i] is None else {name: sums[i][name] + t for name, t in part.items()}
@@ -107,14 +137,14 @@ def restrict_gradient(gradient: Mapping[str, torch.Tensor], selection: LayerSele
 def coarse_change(start: Mapping[str, torch.Tensor], end: Mapping[str, torch.Tensor], selection: LayerSelection,
                   correction_scale: float, *, layer: bool) -> StateDict:
     """``correction_scale * (end - start)`` in the fine model's scale (residual-branch outputs of a
-    layer divided by the residual scale), in the compute dtype."""
+    layer divided by the weight scale), in the compute dtype."""
     out = {}
     for name, e in end.items():
         if is_metadata(name):
             continue
         out[name] = e.to(_compute_dtype(e)) - start[name].to(_compute_dtype(e))
     if layer:
-        out = scale_residuals(out, selection, 1.0 / selection.residual_scale)
+        out = scale_residuals(out, selection, 1.0 / selection.weight_scale)
     if correction_scale != 1.0:
         out = {name: t * correction_scale for name, t in out.items()}
     return out

@@ -44,7 +44,7 @@ ACCEPTED = {
         "coarse", "coarse_deepspeed", "coarse_lr", "coarse_steps", "coarse_tensor_model_parallel_size", "coherence",
         "coherence_batches",
         "correction_scale", "cycles", "final_lr", "final_steps", "fine_lr", "line_search", "optimizer_state",
-        "post_steps", "pre_steps", "prolongation", "residual_scale",
+        "parametrisation", "post_steps", "pre_steps", "prolongation", "residual_scale",
     ],
     LevelConfig: [
         "alpha", "deepspeed", "lr_after", "lr_before", "steps_after", "steps_before",

@@ -46,13 +46,18 @@ def _simulated_change(coarse, seed):
 @pytest.mark.parametrize("parity", [0, 1])
 @pytest.mark.parametrize("scale", [1, 2])
 @pytest.mark.parametrize("prolongation", ["correction", "constant", "linear"])
-def test_no_coarse_training_gives_the_fine_model_back_bit_for_bit(variant, parity, scale, prolongation):
+@pytest.mark.parametrize("parametrisation", ["folded", "explicit"])
+def test_no_coarse_training_gives_the_fine_model_back_bit_for_bit(variant, parity, scale, prolongation,
+                                                                  parametrisation):
     cfg = small_config(variant, num_layers=6)
-    sel = LayerSelection(cfg, parity, scale)
+    sel = LayerSelection(cfg, parity, scale, parametrisation)
     fine = random_state_dict(cfg, seed=1)
     coarse = restrict(fine, sel)
     assert coarse["embedding.word_embeddings.weight"].shape == fine["embedding.word_embeddings.weight"].shape
     assert not any(k.startswith(f"{_stack(cfg)}.layers.3.") for k in coarse)
+    for local in _locals(fine, cfg):  # the explicit step is in the forward pass: the weights are copies
+        factor = scale if parametrisation == "folded" and local.endswith(RESIDUAL) else 1
+        assert torch.equal(coarse[_fine_name(cfg, 1, local)], factor * fine[_fine_name(cfg, 2 + parity, local)])
     again = prolong(fine, coarse, sel, prolongation=prolongation)
     assert again.keys() == fine.keys()
     for k in fine:
@@ -234,6 +239,8 @@ def test_ode_block_round_trips_and_defaults():
         (_ode(cyles=2), r"config.multilevel.ode: unknown key\(s\) \['cyles'\]; valid keys are \[.*'cycles'"),
         (_ode(residual_scale=3), r"multilevel.ode.residual_scale: invalid value 3; valid choices are \[1, 2\]"),
         (_ode(residual_scale=2.0), r"multilevel.ode.residual_scale: expected an integer"),
+        (_ode(parametrisation="implicit"),
+         r"multilevel.ode.parametrisation: invalid value 'implicit'; valid choices are \['folded', 'explicit'\]"),
         (_ode(prolongation="cubic"), r"valid choices are \['correction', 'constant', 'linear'\]"),
         (_ode(coarse="both"), r"valid choices are \['alternate', 'even', 'odd'\]"),
         (_ode(optimizer_state="zero"), r"valid choices are \['reset', 'keep', 'map'\]"),

@@ -42,9 +42,11 @@ def _prolonged(change: dict, sel: LayerSelection, prolongation: str, fine_shapes
 @pytest.mark.parametrize("prolongation", PROLONGATIONS)
 @pytest.mark.parametrize("residual_scale", [1, 2])
 @pytest.mark.parametrize("parity", [0, 1])
-def test_gradient_restriction_is_the_adjoint_of_prolongation(prolongation, residual_scale, parity):
-    """<P^T g, e> = <g, P e> for random fine g and coarse e, every prolongation, scale and parity."""
-    sel = LayerSelection(CFG, parity, residual_scale)
+@pytest.mark.parametrize("parametrisation", ["folded", "explicit"])
+def test_gradient_restriction_is_the_adjoint_of_prolongation(prolongation, residual_scale, parity, parametrisation):
+    """<P^T g, e> = <g, P e> for random fine g and coarse e, every prolongation, scale, parity and
+    parametrisation (explicit: no scale in either map, the pair's or neighbours' sums kept)."""
+    sel = LayerSelection(CFG, parity, residual_scale, parametrisation)
     fine_shapes = {n: p.shape for n, p in _model().named_parameters()}
     g = _random_like(fine_shapes, 1)
     coarse_shapes = {n: t.shape for n, t in restrict(g, sel).items()}
@@ -52,8 +54,10 @@ def test_gradient_restriction_is_the_adjoint_of_prolongation(prolongation, resid
     lhs = _dot(restrict_gradient(g, sel, prolongation), e)
     rhs = _dot(g, _prolonged(e, sel, prolongation, fine_shapes))
     assert lhs == pytest.approx(rhs, rel=1e-12)
-    if residual_scale == 2 or prolongation != "correction":  # the parameters' restriction is not it
+    if sel.weight_scale == 2 or prolongation != "correction":  # the parameters' restriction is not it
         assert _dot(restrict(g, sel), e) != pytest.approx(rhs, rel=1e-3)
+    else:  # copying both ways, it is
+        assert _dot(restrict(g, sel), e) == pytest.approx(rhs, rel=1e-12)
 
 
 def _loss_at(model, params: dict, batch) -> float:
@@ -70,15 +74,16 @@ def _loss_at(model, params: dict, batch) -> float:
 
 
 @pytest.mark.parametrize("prolongation", PROLONGATIONS)
-def test_the_fine_loss_along_prolonged_directions(prolongation):
-    """The fine loss's slope along ``P d`` (central finite difference) is ``<P^T g, d>``; a coarse
-    direction built to look like descent under the parameters' restriction (``R g``, residual
+@pytest.mark.parametrize("parametrisation", ["folded", "explicit"])
+def test_the_fine_loss_along_prolonged_directions(prolongation, parametrisation):
+    """The fine loss's slope along ``P d`` (central finite difference) is ``<P^T g, d>``; folded, a
+    coarse direction built to look like descent under the parameters' restriction (``R g``, residual
     branches times 2) but not under the adjoint raises the fine loss, as the adjoint says."""
     from megatron_multilevel.models import language_model_loss
     from megatron_multilevel.plan import parameter_plan
 
     model = _model(3)
-    sel = LayerSelection(CFG, 0, 2)
+    sel = LayerSelection(CFG, 0, 2, parametrisation)
     g = torch.Generator().manual_seed(4)
     tokens = torch.randint(0, CFG.vocab_size, (4, 17), generator=g)
     batch = (tokens[:, :-1], tokens[:, 1:], torch.ones(4, 16))
@@ -108,6 +113,8 @@ def test_the_fine_loss_along_prolonged_directions(prolongation):
     scale = (_dot(adj, adj) / _dot(noise, noise)) ** 0.5
     d = {n: adj[n] + scale * noise[n] for n in adj}
     assert slope(d) == pytest.approx(_dot(adj, d), rel=0.01)
+    if parametrisation == "explicit":  # R g is P^T g up to the pair's or neighbours' sums: nothing to build
+        return
     # residual-branch outputs against the rest: descent under R g, ascent under P^T g
     rules = parameter_plan(CFG).layer
     residual = {n: any(n.endswith("." + local) and rule.residual for local, rule in rules.items()) for n in adj}

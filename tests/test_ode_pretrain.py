@@ -4,11 +4,13 @@ every transition, resume after a kill anywhere, SGD and AdamW, GPT and BERT, two
 import dataclasses
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from launch_helpers import launch, losses, make_corpus, module_states, preprocess, records, small_config
+from launch_helpers import ROOT, launch, losses, make_corpus, module_states, preprocess, records, small_config
 
 SEQ, GLOBAL_BATCH = 32, 8
 ODE = {
@@ -41,6 +43,12 @@ def _config(tmp_path, corpus, name, *, ode, kind="gpt", **blocks):
     return path
 
 
+def _tool(name, *args):
+    """``tools/NAME ARGS`` with this interpreter; output captured."""
+    return subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+
+
 def _ok(result):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
@@ -56,6 +64,19 @@ def reference(tmp_path_factory, corpus):
     training = {"output_dir": str(tmp / "run"), "log_interval": 1, "eval_interval": 4, "eval_batches": 2,
                 "save_interval": 3, "seed": 5, "keep_checkpoints": 100}
     result = _ok(launch(_config(tmp, corpus, "run", ode=FULL, training=training)))
+    return {"dir": tmp / "run", "stdout": result.stdout}
+
+
+# The coarse step in the forward pass, the coarse weights copied: the same coarse function at restriction
+EXPLICIT = {**FULL, "parametrisation": "explicit"}
+
+
+@pytest.fixture(scope="module")
+def explicit_reference(tmp_path_factory, corpus):
+    tmp = tmp_path_factory.mktemp("explicit")
+    training = {"output_dir": str(tmp / "run"), "log_interval": 1, "eval_interval": 4, "eval_batches": 2,
+                "save_interval": 3, "seed": 5, "keep_checkpoints": 100}
+    result = _ok(launch(_config(tmp, corpus, "run", ode=EXPLICIT, training=training)))
     return {"dir": tmp / "run", "stdout": result.stdout}
 
 
@@ -157,12 +178,14 @@ def test_the_coherence_term_averaged_over_batches(corpus, tmp_path):
         assert p["extra_flops"] == pytest.approx(3 * (fine + coarse) + fine / 3, rel=1e-12)
 
 
-def _check_coherence_vector(run, *, batches: int) -> None:
-    """The trainer's first coherence vector against MG/OPT's, averaged over ``batches`` batches."""
+def _check_coherence_vector(run, *, batches: int, explicit: bool = False) -> None:
+    """The trainer's first coherence vector against MG/OPT's, averaged over ``batches`` batches;
+    ``explicit``: nothing scaled, the coarse model taking its step x2 in the forward pass instead."""
     from megatron_multilevel.config import load_config
     from megatron_multilevel.data.datasets import build_data, micro_batches
     from megatron_multilevel.distributed import init_single_process
     from megatron_multilevel.models import build_model, language_model_loss
+    from megatron_multilevel.residual_step import set_residual_step
 
     cfg = load_config(json.loads((run.parent / "run.json").read_text()))
     init_single_process()
@@ -173,9 +196,9 @@ def _check_coherence_vector(run, *, batches: int) -> None:
                for s in range(step, step + batches)]
     residual = ("self_attention.linear_proj.", "mlp.linear_fc2.")
 
-    def gradient(model_cfg, params):
+    def gradient(model_cfg, params, step=1):
         """The mean gradient over the batches."""
-        model = build_model(model_cfg)
+        model = set_residual_step(build_model(model_cfg), step)
         missing, unexpected = model.load_state_dict(params, strict=False)
         assert not unexpected and all(k.endswith("_extra_state") for k in missing)
         for batch in batches:
@@ -197,14 +220,15 @@ def _check_coherence_vector(run, *, batches: int) -> None:
     sums = [{n: g0 + g1 / 2 for (n, g0), g1 in zip(layer(g, 0).items(), layer(g, 1).values())},
             {n: g2 + g1 / 2 + g3 for (n, g2), g1, g3 in zip(layer(g, 2).items(), layer(g, 1).values(),
                                                            layer(g, 3).values())}]
+    weights = 1.0 if explicit else 2.0  # the step folded into the weights or not
     restricted = dict(shared)
     for i, values in enumerate(sums):
-        restricted.update({f"decoder.layers.{i}.{n}": t for n, t in scaled(values, 0.5).items()})
+        restricted.update({f"decoder.layers.{i}.{n}": t for n, t in scaled(values, 1 / weights).items()})
     coarse_params = {n: t for n, t in fine.items() if not n.startswith("decoder.layers.")}
     for i, j in enumerate((0, 2)):
-        coarse_params.update({f"decoder.layers.{i}.{n}": t for n, t in scaled(layer(fine, j), 2.0).items()})
+        coarse_params.update({f"decoder.layers.{i}.{n}": t for n, t in scaled(layer(fine, j), weights).items()})
     coarse_cfg = dataclasses.replace(cfg.model, num_layers=2)
-    g_coarse = gradient(coarse_cfg, coarse_params)
+    g_coarse = gradient(coarse_cfg, coarse_params, step=2 if explicit else 1)
     installed = torch.load(run / "checkpoints" / f"phase01-step{1:07d}" / "coherence.pt", weights_only=True)
     assert set(installed) == set(g_coarse)
     for name, v in installed.items():
@@ -212,17 +236,47 @@ def _check_coherence_vector(run, *, batches: int) -> None:
         assert torch.allclose(v.double(), expected, atol=1e-6, rtol=1e-4), name
 
 
-@pytest.mark.parametrize("crash_at, resumed_phase", [
-    pytest.param("step4", 1, id="mid-coarse"),
-    pytest.param("transition2", 1, id="during-prolongation", marks=pytest.mark.slow),
-    pytest.param("transition4", 3, id="during-restriction", marks=pytest.mark.slow),
+@pytest.mark.parametrize("crash_at, resumed_phase, explicit", [
+    pytest.param("step4", 1, False, id="mid-coarse"),
+    pytest.param("transition2", 1, False, id="during-prolongation", marks=pytest.mark.slow),
+    pytest.param("transition4", 3, False, id="during-restriction", marks=pytest.mark.slow),
+    pytest.param("step4", 1, True, id="explicit-mid-coarse"),
 ])
-def test_resume_after_kill_follows_the_same_trajectory(reference, corpus, tmp_path, crash_at, resumed_phase):
+def test_resume_after_kill_follows_the_same_trajectory(request, corpus, tmp_path, crash_at, resumed_phase, explicit):
+    """Explicit: the resumed coarse model takes its step in the forward pass again."""
     training = {"output_dir": str(tmp_path / "run"), "log_interval": 1, "eval_interval": 4, "eval_batches": 2,
                 "save_interval": 3, "seed": 5, "keep_checkpoints": 100}
-    run = _crash_and_resume(tmp_path, corpus, crash_at, FULL, training=training)
+    run = _crash_and_resume(tmp_path, corpus, crash_at, EXPLICIT if explicit else FULL, training=training)
     assert [r["phase"] for r in records(run, "resume")] == [resumed_phase]
-    _assert_same_run(run, reference["dir"], 1e-6)
+    _assert_same_run(run, request.getfixturevalue("explicit_reference" if explicit else "reference")["dir"], 1e-6)
+
+
+def test_the_explicit_step_starts_from_the_same_function_and_trains_otherwise(reference, explicit_reference):
+    """Against the folded run of the same config: the same fine steps, the same loss on the first
+    coarse batch (the same coarse function), then other losses (other gradients: the explicit
+    coarse model's residual-branch parameters move the function twice as much per step); it learns,
+    and its coherence vector is MG/OPT's with nothing scaled."""
+    run, folded = explicit_reference["dir"], reference["dir"]
+    assert "restricted to the even fine layers [0, 2] of 4, residual-branch outputs x2 in the forward pass" in \
+        explicit_reference["stdout"]
+    sidecar = json.loads((run / "checkpoints" / "phase01-step0000001" / "multilevel.json").read_text())
+    assert json.loads(sidecar["selection"])["parametrisation"] == "explicit"
+    ours, theirs = ({r["global_step"]: r["loss"] for r in records(d, "train")} for d in (run, folded))
+    assert [ours[s] for s in (1, 2)] == [theirs[s] for s in (1, 2)]  # fine, before any coarse step
+    assert ours[3] == pytest.approx(theirs[3], abs=1e-6)  # the coarse model at the restricted point
+    assert all(abs(ours[s] - theirs[s]) > 1e-5 for s in (4, 5))
+    valid = records(run, "valid")
+    assert valid[-1]["loss"] < valid[0]["loss"] - 0.3
+    _check_coherence_vector(run, batches=1, explicit=True)
+
+
+def test_at_residual_scale_1_the_parametrisations_are_one_run(corpus, tmp_path):
+    """No step to fold or to take: the explicit and folded runs are the same run, loss for loss."""
+    ode = {**ODE, "cycles": 1, "residual_scale": 1, "optimizer_state": "map"}
+    for name in ("folded", "explicit"):
+        _ok(launch(_config(tmp_path, corpus, name, ode={**ode, "parametrisation": name})))
+    assert losses(tmp_path / "explicit") == losses(tmp_path / "folded")
+    assert [p["level"] for p in _summary(tmp_path / "explicit")["phases"]] == [0, 1, 0, 0]
 
 
 @pytest.fixture(scope="module")
@@ -338,25 +392,16 @@ def test_coarse_tensor_parallel_change_resumes_on_the_same_trajectory(coarse_lay
     """Killed mid coarse phase (after its checkpoint at global step 3): the tools read the coarse
     checkpoint in its own layout; the resumed run rebuilds the fine model from the TP=2 checkpoint
     before the coarse phase and the coherence vector at TP=1, and follows the run that was not killed."""
-    import subprocess
-    import sys
-
-    from launch_helpers import ROOT
-
     config = _coarse_layout_config(tmp_path, corpus, "run")
     crashed = launch(config, "--num_procs", 2, env={"MEGATRON_MULTILEVEL_CRASH_AT": "step5"})
     assert crashed.returncode != 0
     run = tmp_path / "run"
     assert (run / "checkpoints" / "latest").read_text() == "phase01-step0000001"
 
-    def tool(name, *args):
-        return subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)], capture_output=True,
-                              text=True, timeout=600, cwd=ROOT)
-
-    info = tool("inspect_checkpoint.py", run)
+    info = _tool("inspect_checkpoint.py", run)
     assert info.returncode == 0, info.stderr[-3000:]
     assert "layout: TP=1, ZeRO stage 3" in info.stdout and "the even fine layers [0, 2] of 4" in info.stdout
-    full = tool("convert_checkpoint.py", "to-full", run, tmp_path / "full")
+    full = _tool("convert_checkpoint.py", "to-full", run, tmp_path / "full")
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
     resumed = _ok(launch(config, "--num_procs", 2))
     assert "resuming from phase01-step0000001" in resumed.stdout
@@ -367,11 +412,6 @@ def test_checkpoint_tools_on_a_coarse_phase(corpus, tmp_path):
     """A run killed in its second coarse phase (the odd layers), at TP=2 with ZeRO-1: the tools say
     which fine layers the latest checkpoint holds, consolidate it, refuse to de-coalesce it, and
     reshard the run, which then finishes at the new size."""
-    import subprocess
-    import sys
-
-    from launch_helpers import ROOT
-
     training = {"output_dir": str(tmp_path / "run"), "log_interval": 1, "eval_interval": 100, "eval_batches": 1,
                 "save_interval": 11, "seed": 5}
     config = _config(tmp_path, corpus, "run", ode={**FULL, "line_search": False}, training=training,
@@ -381,31 +421,57 @@ def test_checkpoint_tools_on_a_coarse_phase(corpus, tmp_path):
     ckpts = tmp_path / "run" / "checkpoints"
     assert (ckpts / "latest").read_text() == "phase04-step0000002"  # global step 11, mid coarse phase
 
-    def tool(name, *args):
-        return subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)], capture_output=True,
-                              text=True, timeout=600, cwd=ROOT)
-
-    info = tool("inspect_checkpoint.py", tmp_path / "run")
+    info = _tool("inspect_checkpoint.py", tmp_path / "run")
     assert info.returncode == 0, info.stderr[-3000:]
     assert "level 1: gpt, 2 layers, hidden 64" in info.stdout and "layout: TP=2, ZeRO stage 1" in info.stdout
     assert "ODE strategy, coarse model: holds the odd fine layers [1, 3] of 4, residual-branch outputs x2" in info.stdout
-    out = tool("convert_checkpoint.py", "to-full", tmp_path / "run", tmp_path / "full")
+    out = _tool("convert_checkpoint.py", "to-full", tmp_path / "run", tmp_path / "full")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "| source (TP=2) | consolidated (TP=1) |" in out.stdout
-    info = tool("inspect_checkpoint.py", tmp_path / "full", "--json")
+    info = _tool("inspect_checkpoint.py", tmp_path / "full", "--json")
     assert json.loads(info.stdout)["ode_selection"]["fine_layers"] == [1, 3]
-    out = tool("convert_checkpoint.py", "decoalesce", tmp_path / "full", tmp_path / "fine")
+    out = _tool("convert_checkpoint.py", "decoalesce", tmp_path / "full", tmp_path / "fine")
     assert out.returncode == 2 and "is a coarse model of the ODE strategy (the odd fine layers [1, 3]" in out.stderr
-    fine = tool("convert_checkpoint.py", "to-full", ckpts / "phase03-step0000002", tmp_path / "fine_full")
+    fine = _tool("convert_checkpoint.py", "to-full", ckpts / "phase03-step0000002", tmp_path / "fine_full")
     assert fine.returncode == 0, fine.stderr[-3000:]
-    assert "ode_selection" not in json.loads(tool("inspect_checkpoint.py", tmp_path / "fine_full", "--json").stdout)
-    out = tool("convert_checkpoint.py", "reshard", tmp_path / "run", tmp_path / "tp1", "--target-tp", 1, "--num-gpus", 1)
+    assert "ode_selection" not in json.loads(_tool("inspect_checkpoint.py", tmp_path / "fine_full", "--json").stdout)
+    out = _tool("convert_checkpoint.py", "reshard", tmp_path / "run", tmp_path / "tp1", "--target-tp", 1, "--num-gpus", 1)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "tp1" / "checkpoints" / "phase04-step0000002" / "coherence.pt").is_file()
     assert (tmp_path / "tp1" / "checkpoints" / "phase03-step0000002").is_dir()  # the fine model before the phase
     resumed = _ok(launch(tmp_path / "tp1" / "config.json"))
     assert "resuming from phase04-step0000002" in resumed.stdout
     assert [p["level"] for p in _summary(tmp_path / "tp1")["phases"]] == [0, 1, 0, 0, 1, 0, 0]
+
+
+def test_checkpoint_tools_on_an_explicit_coarse_phase(explicit_reference, tmp_path):
+    """The explicit coarse model's checkpoint (the fine layers' weights, the step in the forward
+    pass): the tools say so, consolidate it, export it to transformers and start a plain 2-layer run
+    from it (the step folded into the weights), each checking its logits against the model that
+    takes the step; the run as it stood at the end of that phase reshards to TP=2, the new
+    checkpoint loaded as the trainer loads it."""
+    import shutil
+
+    ckpts = explicit_reference["dir"] / "checkpoints"
+    coarse = ckpts / "phase01-step0000003"  # the end of the first coarse phase
+    info = _tool("inspect_checkpoint.py", coarse)
+    assert info.returncode == 0, info.stderr[-3000:]
+    assert "holds the even fine layers [0, 2] of 4, residual-branch outputs x2 in the forward pass" in info.stdout
+    run = tmp_path / "run"
+    for tag in ("phase00-step0000002", "phase01-step0000003"):  # the coarse checkpoint and the one it needs
+        shutil.copytree(ckpts / tag, run / "checkpoints" / tag)
+    (run / "checkpoints" / "latest").write_text("phase01-step0000003")
+    config = json.loads((explicit_reference["dir"].parent / "run.json").read_text())  # a plain 2-layer run
+    config.update(multilevel={"enabled": False}, model={**config["model"], "num_layers": 2})
+    config["training"]["train_steps"] = 4
+    (tmp_path / "coarse.json").write_text(json.dumps(config))
+    for args in (("to-full", coarse, tmp_path / "full"), ("to-hf", coarse, tmp_path / "hf"),
+                 ("init-run", coarse, tmp_path / "init", "--config", tmp_path / "coarse.json"),
+                 ("reshard", run, tmp_path / "tp2", "--target-tp", 2)):
+        out = _tool("convert_checkpoint.py", *args)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    info = _tool("inspect_checkpoint.py", tmp_path / "full", "--json")
+    assert json.loads(info.stdout)["ode_selection"]["parametrisation"] == "explicit"
 
 
 def test_coarse_first_writes_the_change_into_both_layers_of_each_pair(corpus, tmp_path):

@@ -118,6 +118,14 @@ def _shard_like(full, module, cfg):
     return out
 
 
+def _coarse_model(sel, layout, ds_config):
+    """An empty coarse model, taking the explicit step in its forward pass where ``sel`` says so."""
+    from megatron_multilevel.residual_step import set_residual_step
+    from megatron_multilevel.training.engines import build_empty_model
+
+    return set_residual_step(build_empty_model(sel.coarse, layout, ds_config), sel.forward_step)
+
+
 def _case(case):
     from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
     from megatron_multilevel.level_maps import LayerSelection
@@ -132,7 +140,7 @@ def _case(case):
     from megatron_multilevel.training.engines import build_empty_model
 
     cfg = _model_config(case["kind"])
-    sel = LayerSelection(cfg, case["parity"], RESIDUAL_SCALE)
+    sel = LayerSelection(cfg, case["parity"], RESIDUAL_SCALE, case.get("parametrisation", "folded"))
     fine_layout = Layout(case["tp"], case["stage"])
     coarse_layout = Layout(case.get("coarse_tp", case["tp"]), case.get("coarse_stage", case["stage"]))
     layouts = dict(fine_layout=fine_layout, coarse_layout=coarse_layout)
@@ -150,8 +158,7 @@ def _case(case):
     with _CountCollectives() as counter:
         if keys:
             materialize_optimizer_state(fine.optimizer, keys)
-        target = functools.partial(build_empty_model, sel.coarse, coarse_layout,
-                                   _ds_config(case, 1, coarse_layout.zero_stage))
+        target = functools.partial(_coarse_model, sel, coarse_layout, _ds_config(case, 1, coarse_layout.zero_stage))
         staged, before = restrict(fine.module, sel, **layouts, build_target=target, optimizer=fine.optimizer,
                                   keys=keys, map_state=case["state"] == "map")
     out["restrict_collectives"] = counter.count
@@ -227,6 +234,8 @@ REFERENCE_CASES = (
     + _cases([(1, 0)], kind="bert", state="keep", prolongation="constant")
     + _cases([(1, 0)], kind="llama", optimizer="sgd", state="map", parity=0)
     + _cases([(1, 0)], state="reset", prolongation="correction")
+    + _cases([(1, 0)], parametrisation="explicit")
+    + _cases([(1, 0)], kind="bert", optimizer="sgd", state="map", prolongation="constant", parametrisation="explicit")
 )
 
 
@@ -254,7 +263,7 @@ def _check(results, cases, reference):
 
 def test_one_process_matches_the_operators(reference):
     """GPT, BERT and Llama-style GPT; AdamW and SGD with momentum; reset, keep and map; every
-    prolongation; both parities."""
+    prolongation; both parities; both parametrisations."""
     _check([list(reference.values())], REFERENCE_CASES, reference)
     for result in reference.values():
         assert result["coarse_gradient_was_different"] > 1e-3  # v is not trivially zero
@@ -264,12 +273,13 @@ def test_one_process_matches_the_operators(reference):
 
 def test_two_processes(reference, tmp_path):
     """TP=2 (shard-local: no communication), DP=2 with ZeRO-1, -2 and -3 (gathered one parameter at
-    a time), TP=2 with ZeRO-3: the one-process result."""
+    a time), TP=2 with ZeRO-3, the explicit step at TP=2 and under ZeRO-3: the one-process result."""
     layouts = [(2, 0), (1, 1), (1, 2), (1, 3), (2, 3)]
     cases = _cases(layouts) + _cases([(2, 0), (1, 3)], optimizer="sgd", state="keep", parity=0,
                                      prolongation="correction")
     cases += _cases([(2, 1)], kind="bert", state="keep", prolongation="constant")
     cases += _cases([(1, 2)], kind="llama", optimizer="sgd", state="map", parity=0)
+    cases += _cases([(2, 0), (1, 3)], parametrisation="explicit")  # the step's hooks at TP=2 and under ZeRO-3
     results = run_ranks(_worker, 2, tmp_path, cases)
     _check(results, cases, reference)
     assert results[0][0]["collectives"] == 0  # TP=2, no ZeRO-3: every rank maps its own shards

@@ -42,7 +42,8 @@ def describe(path: str) -> dict:
         selection = LayerSelection.from_json(source.description["selection"])
         layout["ode_selection"] = {"parity": selection.parity, "fine_layers": list(selection.layers),
                                    "fine_num_layers": selection.fine.num_layers,
-                                   "residual_scale": selection.residual_scale, "text": selection.describe()}
+                                   "residual_scale": selection.residual_scale,
+                                   "parametrisation": selection.parametrisation, "text": selection.describe()}
     return {
         "path": os.path.abspath(path), "kind": source.description["kind"], "level": source.level,
         "model": {"kind": m.kind, "num_layers": m.num_layers, "hidden_size": m.hidden_size,

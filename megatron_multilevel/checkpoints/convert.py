@@ -20,6 +20,7 @@ from megatron_multilevel.checkpoints.hf_generation import check_generation, writ
 from megatron_multilevel.config import DataConfig, ModelConfig, check_alpha, check_model_parallel
 from megatron_multilevel.data.tokenizer import run_tokenizer_copy
 from megatron_multilevel.level_maps import LayerSelection, LevelMap, make_level_map
+from megatron_multilevel.ode_operators import fold_step
 from megatron_multilevel.operators import coalesce, decoalesce, interpolate
 from megatron_multilevel.parallel.tp_layout import shard
 from megatron_multilevel.plan import parameter_plan
@@ -38,6 +39,22 @@ class Source:
     description: dict
     rank_shards: Optional[list] = None  # per tensor-parallel rank, for a DeepSpeed source
     tokenizer: Optional[str] = None  # the tokenizer of its token ids, where one is known
+
+    @property
+    def selection(self) -> Optional[LayerSelection]:
+        """The layer selection of a coarse model of the ODE strategy, else None."""
+        text = self.description.get("selection")
+        return LayerSelection.from_json(text) if text else None
+
+    @property
+    def step(self) -> int:
+        """The step its forward pass takes: an explicit ODE coarse model's, else 1."""
+        return verify.forward_step(self.description)
+
+    def plain_tensors(self) -> dict:
+        """Its tensors for a model that takes no step (transformers', a new run's), computing the same
+        function: an explicit ODE coarse model's step folded into its weights."""
+        return self.tensors if self.step == 1 else fold_step(self.tensors, self.selection)
 
 
 def run_tokenizer(config: dict, run_dir: Optional[str] = None) -> Optional[str]:
@@ -97,7 +114,7 @@ def to_full(src: str, out: str, *, fmt: str = "safetensors", overwrite: bool = F
     prepare_output(out, overwrite, src)
     source = load_source(src)
     tokens = verify.fixed_tokens(source.model)
-    full_logits = verify.logits_full(source.tensors, source.model, tokens)
+    full_logits = verify.logits_full(source.tensors, source.model, tokens, step=source.step)
     if source.rank_shards is not None:
         plan = parameter_plan(source.model)
         tp = len(source.rank_shards)
@@ -105,8 +122,8 @@ def to_full(src: str, out: str, *, fmt: str = "safetensors", overwrite: bool = F
                if not torch.equal(shard(source.tensors[n], plan.rule(n)[1], r, tp), t)]
         _check_round_trip(f"the full tensors, split again over {tp} tensor-parallel rank(s), equal the source shards",
                           bad)
-        source_logits = (verify.logits_full(source.rank_shards[0], source.model, tokens) if tp == 1
-                         else verify.logits_in_layout(source.rank_shards, source.model, tokens))
+        source_logits = (verify.logits_full(source.rank_shards[0], source.model, tokens, step=source.step) if tp == 1
+                         else verify.logits_in_layout(source.rank_shards, source.model, tokens, step=source.step))
         _require(verify.compare([(f"source (TP={tp})", "consolidated (TP=1)", source_logits, full_logits)]),
                  "logits of the consolidated model differ from the source's")
     save_full(out, source.tensors, source.model, level=source.level, level_maps=source.level_maps,
@@ -142,10 +159,10 @@ def coalesce_checkpoint(src: str, out: str, *, width: bool, depth: bool, width_p
 def decoalesce_checkpoint(src: str, out: str, *, level_map: Optional[str], fmt: str, overwrite: bool) -> None:
     prepare_output(out, overwrite, src)
     source = load_source(src)
-    if "selection" in source.description:
-        selection = LayerSelection.from_json(source.description["selection"])
-        raise ValueError(f"{src} is a coarse model of the ODE strategy ({selection.describe()}); it is not "
-                         f"de-coalesced: the run writes its change back into the fine model it was restricted from")
+    if source.selection is not None:
+        raise ValueError(f"{src} is a coarse model of the ODE strategy ({source.selection.describe()}); it is "
+                         f"not de-coalesced: the run writes its change back into the fine model it was restricted "
+                         f"from")
     if level_map is not None:
         with open(level_map) as f:
             lm = LevelMap.from_json(f.read())
@@ -215,20 +232,22 @@ def to_hf(src: str, out: str, *, overwrite: bool, tokenizer: Optional[str] = Non
     if tokenizer is not None and not os.path.exists(tokenizer):
         raise ValueError(f"--tokenizer {tokenizer!r} does not exist")
     prepare_output(out, overwrite, src)
-    hf_sd = to_hf_state_dict(source.tensors, source.model)
+    tensors = source.plain_tensors()
+    hf_sd = to_hf_state_dict(tensors, source.model)
     _check_round_trip("Megatron -> Hugging Face -> Megatron tensors",
-                      verify.mismatched(from_hf_state_dict(hf_sd, source.model), source.tensors))
+                      verify.mismatched(from_hf_state_dict(hf_sd, source.model), tensors))
     model = hf_model(source.model, hf_sd)
     tokens = verify.fixed_tokens(source.model)
     rows = [("Megatron (source)", f"transformers {type(model).__name__}",
-             verify.logits_full(source.tensors, source.model, tokens), hf_logits(model, source.model, tokens).float())]
+             verify.logits_full(source.tensors, source.model, tokens, step=source.step),
+             hf_logits(model, source.model, tokens).float())]
     _require(verify.compare(rows), "the Hugging Face model's logits differ")
     model.save_pretrained(out)
     if tokenizer is None:
         print(f"wrote {out} ({type(model).__name__}) without a tokenizer: the source records none; pass --tokenizer")
         return
     write_tokenizer(tokenizer, out)
-    check_generation(out, source.tensors, source.model, tokenizer)
+    check_generation(out, tensors, source.model, tokenizer)
     print(f"wrote {out} ({type(model).__name__} and its tokenizer)")
 
 

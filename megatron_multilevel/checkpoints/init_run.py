@@ -53,14 +53,15 @@ def init_run(src: str, config_path: str, out: str, *, num_gpus: Optional[int] = 
     prepare_output(out, overwrite, src)
     meta = {"model": ours, "level_maps": [m.to_json() for m in run_level_maps(cfg)], "config": config_to_dict(cfg),
             "config_phases": schedule_signature(phases)}
-    item = {"tensors": source.tensors, "state": dataclasses.asdict(RunState()), "meta": meta, "latest": True,
+    item = {"tensors": source.plain_tensors(), "state": dataclasses.asdict(RunState()), "meta": meta, "latest": True,
             "path": os.path.abspath(src)}
     tokens = verify.fixed_tokens(source.model)
     os.makedirs(out, exist_ok=True)
     logits = run_ranks(rank_worker, world, config_to_dict(cfg), os.path.abspath(out), [item], tokens,
                        tensor_model_parallel_size=tp)[0]["logits"]
     verify.finish_run(out, cfg, [("source", f"the run's first checkpoint, loaded as the trainer does (TP={tp}, {world} rank(s))",
-                                  verify.logits_full(source.tensors, source.model, tokens), logits)],
+                                  verify.logits_full(source.tensors, source.model, tokens, step=source.step),
+                                  logits)],
                       "the run's first checkpoint computes other logits than the source")
     print(f"wrote {out}: phase 0, step 0 holds the source's weights; train with\n"
           f"  launch/pretrain_vcycle.sh {os.path.join(out, 'config.json')}" + (f" --num_gpus {world}" if world > 1 else ""))

@@ -203,7 +203,8 @@ def reshard(src: str, out: str, *, target_tp: Optional[int] = None, num_gpus: Op
         item.update(read)
     latest = items[-1]
     tokens = verify.fixed_tokens(latest["model"])
-    full_logits = verify.logits_full(latest["tensors"], latest["model"], tokens)
+    step = verify.forward_step(latest["meta"])  # an explicit ODE coarse model's, which the trainer's model takes
+    full_logits = verify.logits_full(latest["tensors"], latest["model"], tokens, step=step)
     os.makedirs(out, exist_ok=True)
     payload = [{k: v for k, v in item.items() if k != "model"} for item in items]
     parsed = load_config(config)

@@ -10,8 +10,10 @@ import torch
 from megatron_multilevel.config import ModelConfig, RunConfig, config_to_dict
 from megatron_multilevel.config.parsing import parse_dataclass
 from megatron_multilevel.distributed import init_single_process, set_tensor_model_parallel_size
+from megatron_multilevel.level_maps import LayerSelection
 from megatron_multilevel.models import build_model, load_parameters, model_logits
 from megatron_multilevel.parallel.spawn import run_ranks
+from megatron_multilevel.residual_step import set_residual_step
 
 # Logits of the same weights computed two ways agree to float rounding; anything above this is a
 # conversion error, not rounding.
@@ -23,18 +25,26 @@ def fixed_tokens(cfg: ModelConfig) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (2, seq), generator=torch.Generator().manual_seed(1234))
 
 
-def single_process_model(tensors: dict, cfg: ModelConfig) -> torch.nn.Module:
-    """A TP=1 Megatron model of ``cfg`` holding the full ``tensors``, in this process, in eval mode."""
+def forward_step(description: dict) -> int:
+    """The step a checkpoint's forward pass takes, from its sidecar (or a consolidated checkpoint's
+    description): an ODE coarse model's in the explicit parametrisation (its ``selection``), else 1."""
+    text = description.get("selection")
+    return LayerSelection.from_json(text).forward_step if text else 1
+
+
+def single_process_model(tensors: dict, cfg: ModelConfig, *, step: float = 1) -> torch.nn.Module:
+    """A TP=1 Megatron model of ``cfg`` holding the full ``tensors``, in this process, in eval mode;
+    ``step``: the forward step of an ODE coarse model in the explicit parametrisation (1: none)."""
     init_single_process()
     set_tensor_model_parallel_size(1)
     model = build_model(cfg, perform_initialization=False)
     load_parameters(model, tensors)
-    return model.eval()
+    return set_residual_step(model, step).eval()
 
 
-def logits_full(tensors: dict, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of full tensors in a TP=1 Megatron model, in this process."""
-    model = single_process_model(tensors, cfg)
+def logits_full(tensors: dict, cfg: ModelConfig, tokens: torch.Tensor, *, step: float = 1) -> torch.Tensor:
+    """Logits of full tensors in a TP=1 Megatron model (taking ``step``), in this process."""
+    model = single_process_model(tensors, cfg, step=step)
     with torch.no_grad():
         return model_logits(model, cfg, tokens).float()
 
@@ -55,19 +65,21 @@ def gathered_logits(model, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tens
     return torch.cat(parts, dim=-1)  # tp x (b, s, vocab / tp) -> (b, s, vocab), the ranks' shards in order
 
 
-def _layout_worker(rank, world, shards, model_dict, tokens):
+def _layout_worker(rank, world, shards, model_dict, tokens, step):
     cfg = parse_dataclass(ModelConfig, model_dict, "model")
     model = build_model(cfg, perform_initialization=False)
     load_parameters(model, shards[rank])
-    return gathered_logits(model, cfg, tokens)
+    return gathered_logits(set_residual_step(model, step), cfg, tokens)
 
 
-def logits_in_layout(shards: list[dict], cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of per-rank shards in their own tensor-parallel layout (one process per rank)."""
+def logits_in_layout(shards: list[dict], cfg: ModelConfig, tokens: torch.Tensor, *, step: float = 1) -> torch.Tensor:
+    """Logits of per-rank shards in their own tensor-parallel layout (one process per rank), the
+    model taking ``step`` as :func:`logits_full`."""
     import dataclasses
 
     tp = len(shards)
-    return run_ranks(_layout_worker, tp, shards, dataclasses.asdict(cfg), tokens, tensor_model_parallel_size=tp)[0]
+    return run_ranks(_layout_worker, tp, shards, dataclasses.asdict(cfg), tokens, step,
+                     tensor_model_parallel_size=tp)[0]
 
 
 def compare(rows: list[tuple[str, str, torch.Tensor, torch.Tensor]], *, required: Optional[list[bool]] = None) -> bool:

@@ -19,9 +19,16 @@ class OdeConfig:
     """Which fine layers each coarse model keeps: ``even`` (0, 2, 4, ...), ``odd`` (1, 3, 5, ...), or
     ``alternate``: even in the first cycle, odd in the second, and so on."""
     residual_scale: int = 2
-    """The coarse step size, 1 or 2: the residual-branch outputs of a coarse layer (attention output
-    projection and second FFN linear, weight and bias) are multiplied by it on restriction and their
-    change is divided by it when written back."""
+    """The coarse step size ``h``, 1 or 2: a coarse layer's residual-branch outputs (attention
+    output projection and second FFN linear, weight and bias) count ``h`` times, as ``parametrisation``
+    says."""
+    parametrisation: Literal["folded", "explicit"] = "folded"
+    """Where the coarse step ``h`` goes. ``folded``: the residual-branch outputs' weights and biases
+    are multiplied by ``h`` on restriction and their change is divided by it when written back.
+    ``explicit``: they are copied and written back unscaled, and the coarse model's forward pass
+    multiplies each attention and MLP block's output (bias included) by ``h``. From the same fine
+    model both coarse models compute the same function; at ``h`` 2 their gradients, and so their
+    training, differ."""
     prolongation: Literal["correction", "constant", "linear"] = "correction"
     """How the coarse change ``end - start`` is written back: ``correction`` adds each coarse layer's
     change to its own fine layer (and the shared parameters' to theirs), the other layers untouched;
@@ -32,9 +39,9 @@ class OdeConfig:
     ``v = P^T grad L_fine(theta) - grad L_coarse(R theta)`` is computed and added to every coarse
     gradient of that coarse phase, so that the coarse gradient at the restricted point is the fine
     gradient restricted by the adjoint of the prolongation (``P^T``: residual-branch gradients
-    divided by ``residual_scale`` where parameters are multiplied by it; a pair's or neighbours'
-    gradients summed as ``prolongation`` spreads the change), and a descent direction there is one
-    of the fine loss once prolonged. Its passes count in FLOPs."""
+    divided by ``residual_scale`` where parameters are multiplied by it, ``folded``, and copied,
+    ``explicit``; a pair's or neighbours' gradients summed as ``prolongation`` spreads the change),
+    and a descent direction there is one of the fine loss once prolonged. Its passes count in FLOPs."""
     coherence_batches: int = 1
     """With ``first_order`` coherence: how many training batches ``v`` is averaged over (the coarse
     phase's first ones; no more than ``coarse_steps``). Built on one batch, the constant term is as

@@ -1,7 +1,7 @@
 """The ODE strategy's transitions on live, distributed models.
 
-``restrict`` builds the coarse model (every other layer, residual-branch outputs scaled) from the
-fine one, and keeps the fine model as it was (with its optimizer state when that is kept or
+``restrict`` builds the coarse model (every other layer, residual-branch outputs scaled unless the
+step is explicit) from the fine one, and keeps the fine model as it was (with its optimizer state when that is kept or
 mapped) in a :class:`~megatron_multilevel.parallel.staging.FineSnapshot`, as ``coarsen`` does.
 ``prolong`` builds the fine model again: the snapshot plus the prolonged coarse change, the coarse
 start being recomputed from the snapshot (what the restriction wrote). ``carry`` builds the same
@@ -42,14 +42,16 @@ from megatron_multilevel.parallel.tp_layout import partition_dim, shard, unshard
 from megatron_multilevel.plan import parameter_plan
 
 OptimizerState = Literal["reset", "keep", "map"]
-# How the residual scale ``s`` acts on each optimizer state carried into a coarse phase and back
-# (``optimizer_state = "map"``): the states are in units of the gradient, and where a coarse
-# parameter is ``s`` times its fine one the coarse gradient is ``1 / s`` times the fine one (the
-# chain rule; ``ode_operators.restrict_gradient``). So momentum and Adam's first moment restrict as
-# gradients (``s ** -1`` on the residual-branch outputs), the second moment as a squared gradient
-# (``s ** -2``), and come back multiplied. The gradients the coarse optimizer adds to them are then
-# in the same units; Adam's step ``m / sqrt(v)`` does not change with the choice (eps aside), SGD's
-# momentum does (parameter-like scaling started a coarse phase with ``s ** 2`` times it).
+# How the weight scale ``s`` (``LayerSelection.weight_scale``: the residual scale when the step is
+# folded into the weights, 1 when it is explicit) acts on each optimizer state carried into a
+# coarse phase and back (``optimizer_state = "map"``): the states are in units of the gradient, and
+# where a coarse parameter is ``s`` times its fine one the coarse gradient is ``1 / s`` times the
+# fine one (the chain rule; ``ode_operators.restrict_gradient``). So momentum and Adam's first
+# moment restrict as gradients (``s ** -1`` on the residual-branch outputs), the second moment as a
+# squared gradient (``s ** -2``), and come back multiplied. The gradients the coarse optimizer adds
+# to them are then in the same units; Adam's step ``m / sqrt(v)`` does not change with the choice
+# (eps aside), SGD's momentum does (parameter-like scaling started a coarse phase with ``s ** 2``
+# times it).
 DEGREE = {"exp_avg": -1, "exp_avg_sq": -2, "momentum_buffer": -1}
 
 

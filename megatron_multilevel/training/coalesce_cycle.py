@@ -39,6 +39,9 @@ class CoalesceCycle:
     def save_extra(self, directory: str) -> None:
         """Files beside a checkpoint's: none (the kept models are rebuilt from checkpoints)."""
 
+    def check_resumable(self, sidecar: dict) -> None:
+        """Nothing beyond the trainer's checks (the level maps come from the checkpoint)."""
+
     def restore(self, state: checkpoint.RunState) -> None:
         """Rebuild the model from before coalescing of every open level, from its checkpoint. Called
         before the current engine is built: it sets up each level's layout, which that engine's replaces."""

@@ -10,9 +10,11 @@ import torch
 
 from megatron_multilevel.config import ModelConfig, RunConfig, optimizer_state_keys
 from megatron_multilevel.distributed import default_backend, set_tensor_model_parallel_size
+from megatron_multilevel.level_maps import LayerSelection
 from megatron_multilevel.models import build_model
 from megatron_multilevel.parallel.sequence_parallel import register_sequence_parallel_grad_hooks
 from megatron_multilevel.parallel.staging import Layout
+from megatron_multilevel.residual_step import set_residual_step
 
 
 class LevelEngines:
@@ -95,8 +97,19 @@ class LevelEngines:
             return torch.float16
         return torch.float32
 
+    def residual_step(self, level: int) -> int:
+        """What the forward pass of ``level``'s model multiplies each layer's residual-branch
+        outputs by: the ODE strategy's coarse step in its explicit parametrisation, else 1."""
+        ml = self.cfg.multilevel
+        if level == 0 or not ml.enabled or ml.strategy != "ode":
+            return 1
+        return LayerSelection(self.models[0], 0, ml.ode.residual_scale, ml.ode.parametrisation).forward_step
+
     def build_initial_model(self, level: int) -> torch.nn.Module:
         """A freshly initialised model of ``level`` in its layout (partitioned at creation under ZeRO-3)."""
+        return set_residual_step(self._build_initial_model(level), self.residual_step(level))
+
+    def _build_initial_model(self, level: int) -> torch.nn.Module:
         set_tensor_model_parallel_size(self.tp_sizes[level], seed=self.cfg.training.seed)
         cfg, sequence_parallel = self.models[level], self.sequence_parallel[level]
         if self.layout(level).zero_stage < 3:
@@ -120,8 +133,9 @@ class LevelEngines:
     def build_empty_model(self, level: int) -> torch.nn.Module:
         """A model of ``level`` in its layout whose parameters a checkpoint or a transition is about
         to fill (the ``build_target`` of a transition into ``level``)."""
-        return build_empty_model(self.models[level], self.layout(level), self.ds_config(level, 1.0),
-                                 sequence_parallel=self.sequence_parallel[level])
+        model = build_empty_model(self.models[level], self.layout(level), self.ds_config(level, 1.0),
+                                  sequence_parallel=self.sequence_parallel[level])
+        return set_residual_step(model, self.residual_step(level))
 
     def engine(self, model: torch.nn.Module, level: int, lr_peak: float, lr_factor: Callable[[int], float]):
         """``deepspeed.initialize`` of ``model`` at ``level``, with a fresh AdamW whose learning

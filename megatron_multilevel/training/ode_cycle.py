@@ -51,7 +51,8 @@ class OdeCycle:
 
     def selection(self, phase: Phase) -> LayerSelection:
         assert phase.parity is not None, phase
-        return LayerSelection(self.ctx.levels.models[0], phase.parity, self.ode.residual_scale)
+        return LayerSelection(self.ctx.levels.models[0], phase.parity, self.ode.residual_scale,
+                              self.ode.parametrisation)
 
     def phase_fields(self, phase: Phase) -> dict:
         """Fields of ``phase``'s summary row beyond the common ones: its cycle, the extra FLOPs of the
@@ -214,6 +215,19 @@ class OdeCycle:
         """Beside a checkpoint of a coarse phase with coherence: its vector (collective)."""
         if self.hook is not None:
             coherence.save(self.hook.v, self.ctx.levels.models[1], directory)
+
+    def check_resumable(self, sidecar: dict) -> None:
+        """A checkpoint of a coarse phase holds a coarse model of its step (``residual_scale``, folded
+        or explicit): the config must build the same one, whose change the resumed run writes back."""
+        phase = self.ctx.phases[sidecar["state"]["phase"]]
+        if phase.parity is None or not sidecar.get("selection"):
+            return
+        saved, ours = LayerSelection.from_json(sidecar["selection"]), self.selection(phase)
+        for key in ("residual_scale", "parametrisation"):
+            if getattr(saved, key) != getattr(ours, key):
+                raise ValueError(f"the checkpoint in {self.ctx.run_dir} holds a coarse model of multilevel.ode.{key} = "
+                                 f"{getattr(saved, key)!r}, the config says {getattr(ours, key)!r}; set it back to "
+                                 f"resume, or use another training.output_dir")
 
     def restore(self, state: checkpoint.RunState) -> None:
         """Rebuild the fine model from before the open coarse phase, if any, from the checkpoint saved

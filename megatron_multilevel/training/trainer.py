@@ -77,6 +77,7 @@ class Trainer:
             raise ValueError(f"the checkpoint {sidecar['tag']} in {self.ctx.run_dir} was written in another layout "
                              f"({change}); reshard the run for this one first: python tools/convert_checkpoint.py "
                              f"reshard {self.ctx.run_dir} NEW_RUN_DIR {self.levels.reshard_flags()}")
+        self.cycle.check_resumable(sidecar)
 
     def _say(self, line: str) -> None:
         """A line on the console before the run's metrics exist (rank 0)."""
