@@ -87,6 +87,13 @@ def small_config(path: Path, *, kind: str, prefix: str, tokenizer_model: str, ou
     return path
 
 
+def convert(*args, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``tools/convert_checkpoint.py ARGS`` with this interpreter; output captured."""
+    env = {"TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions"), **os.environ}
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
 def launch(*args, env: "dict | None" = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """``launch/pretrain_vcycle.sh ARGS`` with this interpreter; output captured."""
     full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}

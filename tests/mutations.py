@@ -178,7 +178,7 @@ MUTATIONS = [
              ((COALESCE, 'width_growth=ml.width_growth if before is None else "fpi",', "width_growth=ml.width_growth,"),),
              ("tests/test_trainer_transitions.py::test_growth_by_aki_and_the_return_by_fpi",)),
     Mutation("aki-config-v-cycle", "multilevel.width_growth 'aki' is accepted by a cycle that grows no level",
-             (("megatron_multilevel/config/multilevel.py", 'if self.enabled and "grow" not in arrivals(self.walk()):',
+             (("megatron_multilevel/config/multilevel.py", 'if self.enabled and not self.grown_levels():',
                "if False:"),),
              ("tests/test_peers.py::test_width_growth_checks",)),
     Mutation("moments-parameter-units", "the ODE strategy's mapped moments scale like parameters",

@@ -1,7 +1,6 @@
 """Checkpoint tools: consolidation, resharding, offline operators, Hugging Face exchange, errors."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -9,14 +8,7 @@ import sys
 import pytest
 import torch
 
-from launch_helpers import ROOT, launch, make_corpus, preprocess, records, small_config
-
-TOOL = ROOT / "tools" / "convert_checkpoint.py"
-
-
-def convert(*args):
-    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env={"TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions"), **os.environ})
+from launch_helpers import ROOT, convert, launch, make_corpus, preprocess, records, small_config
 
 
 def ok(result):

@@ -58,13 +58,17 @@ def _summary(run):
     return json.loads((run / "summary.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus):
-    tmp = tmp_path_factory.mktemp("reference")
+def _uninterrupted(tmp, corpus, ode: dict) -> dict:
+    """A one-process run of the ODE block ``ode`` that keeps every checkpoint."""
     training = {"output_dir": str(tmp / "run"), "log_interval": 1, "eval_interval": 4, "eval_batches": 2,
                 "save_interval": 3, "seed": 5, "keep_checkpoints": 100}
-    result = _ok(launch(_config(tmp, corpus, "run", ode=FULL, training=training)))
+    result = _ok(launch(_config(tmp, corpus, "run", ode=ode, training=training)))
     return {"dir": tmp / "run", "stdout": result.stdout}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus):
+    return _uninterrupted(tmp_path_factory.mktemp("reference"), corpus, FULL)
 
 
 # The coarse step in the forward pass, the coarse weights copied: the same coarse function at restriction
@@ -73,11 +77,7 @@ EXPLICIT = {**FULL, "parametrisation": "explicit"}
 
 @pytest.fixture(scope="module")
 def explicit_reference(tmp_path_factory, corpus):
-    tmp = tmp_path_factory.mktemp("explicit")
-    training = {"output_dir": str(tmp / "run"), "log_interval": 1, "eval_interval": 4, "eval_batches": 2,
-                "save_interval": 3, "seed": 5, "keep_checkpoints": 100}
-    result = _ok(launch(_config(tmp, corpus, "run", ode=EXPLICIT, training=training)))
-    return {"dir": tmp / "run", "stdout": result.stdout}
+    return _uninterrupted(tmp_path_factory.mktemp("explicit"), corpus, EXPLICIT)
 
 
 def _flops(num_layers):

@@ -4,15 +4,12 @@ moved; a run resumed in a layout its checkpoints were not written for stops with
 converts them."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from launch_helpers import KEEP_ALL, ROOT, assert_close_to_reference, launch, ok, run_config
+import launch_helpers
+from launch_helpers import KEEP_ALL, assert_close_to_reference, launch, ok, run_config
 
-TOOL = ROOT / "tools" / "convert_checkpoint.py"
 # the optimizer's state matters at every step here: carried through the transitions too
 MAP = {"optimizer_state": "map"}
 LAYOUTS = dict(abs=2e-4)  # what one run in two layouts differs by (float rounding)
@@ -20,9 +17,7 @@ CRASH = {"MEGATRON_MULTILEVEL_CRASH_AT": "step7"}  # in the coarse phase: latest
 
 
 def convert(*args):
-    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True,
-                          timeout=900, cwd=ROOT, env={"TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions"),
-                                                      **os.environ})
+    return launch_helpers.convert(*args, timeout=900)  # two layouts spawned per conversion
 
 
 @pytest.fixture(scope="module")

@@ -421,41 +421,48 @@ def test_vocabulary_moves_in_slabs(tmp_path):
     assert results[0][2]["collectives"] == 0  # the fast path still communicates nothing
 
 
-def _grow_worker(rank, world, layouts, depth_scaling="none"):
-    """Progressive growth with the coarse AdamW moments carried: the grown model's parameters and
-    moments are the coarse ones de-coalesced (halves pairing: stacked), its step count the coarse
-    optimizer's."""
+def _grow_case(cfg, lm, coarse_tp, coarse_stage, fine_tp, fine_stage, width_growth="fpi") -> dict:
+    """Two steps of the coarse model of ``lm``, a growth to ``cfg`` with the coarse AdamW moments
+    carried (``width_growth``), one step of the grown model: the largest difference of each of its
+    parameters and moments from the operators applied to the gathered coarse ones, the step counts
+    of its optimizer and the three losses."""
     from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
     from megatron_multilevel.models import build_model
     from megatron_multilevel.operators import decoalesce
-    from megatron_multilevel.level_maps import make_level_map
     from megatron_multilevel.parallel.staging import Layout, load_moments
     from megatron_multilevel.parallel.transition import prolong
     from megatron_multilevel.parallel.zero import inner_torch_optimizer
     from megatron_multilevel.training.engines import build_empty_model
 
-    out = []
-    for coarse_tp, coarse_stage, fine_tp, fine_stage in layouts:
-        cfg = _model_config("gpt")
-        lm = make_level_map(cfg, width=False, depth_pairing="halves", depth_scaling=depth_scaling)
-        set_tensor_model_parallel_size(coarse_tp)
-        set_seed(5)
-        coarse = _engine(build_model(lm.coarse), coarse_stage)
-        losses = [_train_step(coarse, lm.coarse, seed=1), _train_step(coarse, lm.coarse, seed=2)]
-        moments = {k: _reference_gather(coarse, lm.coarse, k) for k in (None, "exp_avg", "exp_avg_sq")}
-        staged = prolong(coarse.module, None, lm, 1.0, coarse_layout=Layout(coarse_tp, coarse_stage),
-                         fine_layout=Layout(fine_tp, fine_stage),
-                         build_target=functools.partial(build_empty_model, lm.fine, Layout(fine_tp, fine_stage),
-                                                        _ds_config(fine_stage, 1)),
-                         optimizer=coarse.optimizer, moments=STATE["adamw"])
-        del coarse
-        fine = _engine(staged.model, fine_stage)
-        load_moments(fine, staged)
-        diffs = {k: _max_diff(_reference_gather(fine, cfg, k), decoalesce(m, lm)) for k, m in moments.items()}
-        steps = {float(s["step"]) for s in inner_torch_optimizer(fine.optimizer).state.values()}
-        losses.append(_train_step(fine, cfg, seed=3))
-        out.append({"diffs": diffs, "steps": steps, "losses": losses})
-    return out
+    set_tensor_model_parallel_size(coarse_tp)
+    set_seed(5)
+    coarse = _engine(build_model(lm.coarse), coarse_stage)
+    losses = [_train_step(coarse, lm.coarse, seed=1), _train_step(coarse, lm.coarse, seed=2)]
+    moments = {k: _reference_gather(coarse, lm.coarse, k) for k in (None, "exp_avg", "exp_avg_sq")}
+    staged = prolong(coarse.module, None, lm, 1.0, coarse_layout=Layout(coarse_tp, coarse_stage),
+                     fine_layout=Layout(fine_tp, fine_stage), width_growth=width_growth,
+                     build_target=functools.partial(build_empty_model, lm.fine, Layout(fine_tp, fine_stage),
+                                                    _ds_config(fine_stage, 1)),
+                     optimizer=coarse.optimizer, moments=STATE["adamw"])
+    del coarse
+    fine = _engine(staged.model, fine_stage)
+    load_moments(fine, staged)
+    diffs = {k: _max_diff(_reference_gather(fine, cfg, k), decoalesce(m, lm, width_growth=width_growth))
+             for k, m in moments.items()}
+    steps = {float(s["step"]) for s in inner_torch_optimizer(fine.optimizer).state.values()}
+    losses.append(_train_step(fine, cfg, seed=3))
+    return {"diffs": diffs, "steps": steps, "losses": losses}
+
+
+def _grow_worker(rank, world, layouts, depth_scaling="none"):
+    """Progressive growth with the coarse AdamW moments carried: the grown model's parameters and
+    moments are the coarse ones de-coalesced (halves pairing: stacked), its step count the coarse
+    optimizer's."""
+    from megatron_multilevel.level_maps import make_level_map
+
+    cfg = _model_config("gpt")
+    lm = make_level_map(cfg, width=False, depth_pairing="halves", depth_scaling=depth_scaling)
+    return [_grow_case(cfg, lm, *layout) for layout in layouts]
 
 
 @pytest.mark.parametrize("depth_scaling", ["none", "identity"])
@@ -476,37 +483,17 @@ def _aki_grow_worker(rank, world, cases):
     grown parameters and moments are the operators' AKI of the gathered coarse ones, in any layout.
     The groupings are local to two TP shards in every case, so that TP=2 takes the fast path and
     every layout grows the same model."""
-    from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
     from megatron_multilevel.level_maps import make_level_map
-    from megatron_multilevel.models import build_model
-    from megatron_multilevel.operators import decoalesce
-    from megatron_multilevel.parallel.staging import Layout, load_moments
-    from megatron_multilevel.parallel.transition import prolong, uses_fast_path
-    from megatron_multilevel.training.engines import build_empty_model
+    from megatron_multilevel.parallel.staging import Layout
+    from megatron_multilevel.parallel.transition import uses_fast_path
 
     out = []
     for variant, coarse_tp, coarse_stage, fine_tp, fine_stage in cases:
         cfg = _model_config(variant)
         lm = make_level_map(cfg, depth_pairing="halves", tensor_model_parallel_size=2,
                             coarse_tensor_model_parallel_size=2)
-        set_tensor_model_parallel_size(coarse_tp)
-        set_seed(5)
-        coarse = _engine(build_model(lm.coarse), coarse_stage)
-        losses = [_train_step(coarse, lm.coarse, seed=1), _train_step(coarse, lm.coarse, seed=2)]
-        moments = {k: _reference_gather(coarse, lm.coarse, k) for k in (None, "exp_avg", "exp_avg_sq")}
-        layouts = dict(coarse_layout=Layout(coarse_tp, coarse_stage), fine_layout=Layout(fine_tp, fine_stage))
-        staged = prolong(coarse.module, None, lm, 1.0, **layouts, width_growth="aki",
-                         build_target=functools.partial(build_empty_model, lm.fine, Layout(fine_tp, fine_stage),
-                                                        _ds_config(fine_stage, 1)),
-                         optimizer=coarse.optimizer, moments=STATE["adamw"])
-        del coarse
-        fine = _engine(staged.model, fine_stage)
-        load_moments(fine, staged)
-        diffs = {k: _max_diff(_reference_gather(fine, cfg, k), decoalesce(m, lm, width_growth="aki"))
-                 for k, m in moments.items()}
-        losses.append(_train_step(fine, cfg, seed=3))
-        out.append({"diffs": diffs, "losses": losses, "fast": uses_fast_path(lm, layouts["fine_layout"],
-                                                                          layouts["coarse_layout"])})
+        result = _grow_case(cfg, lm, coarse_tp, coarse_stage, fine_tp, fine_stage, width_growth="aki")
+        out.append({**result, "fast": uses_fast_path(lm, Layout(fine_tp, fine_stage), Layout(coarse_tp, coarse_stage))})
     return out
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron_multilevel.checkpoints import verify
 from megatron_multilevel.checkpoints.deepspeed_reader import merge_tensor_parallel, open_checkpoint, rank_state_dicts
 from megatron_multilevel.checkpoints.full import prepare_output
-from megatron_multilevel.config import config_to_dict, load_config
+from megatron_multilevel.config import RunConfig, config_to_dict, load_config
 from megatron_multilevel.parallel.coherence import FILE as COHERENCE_FILE
 from megatron_multilevel.parallel.spawn import run_ranks
 from megatron_multilevel.parallel.staging import copy_stream, optimizer_step, write_optimizer_state
@@ -134,7 +134,7 @@ def rank_worker(rank, world, config_dict, out, items, tokens):
 
 
 def target_config(sidecar: dict, out: str, *, target_tp: Optional[int], num_gpus: Optional[int],
-                  zero_stage: Optional[int]) -> tuple[dict, int]:
+                  zero_stage: Optional[int]) -> tuple[RunConfig, int]:
     """The run config of the resharded run, and its number of ranks: the source's, with every level
     at ``target_tp`` and ZeRO stage ``zero_stage`` where given, on ``num_gpus`` ranks (by default the
     source's number where every level's TP size divides it, else the target TP size), with the
@@ -170,7 +170,7 @@ def target_config(sidecar: dict, out: str, *, target_tp: Optional[int], num_gpus
         LevelEngines(parsed, num_gpus)  # every level's TP size and batch fit the ranks
     except ValueError as e:
         raise ValueError(f"--num-gpus {num_gpus}: {e}") from None
-    return config_to_dict(parsed), num_gpus
+    return parsed, num_gpus
 
 
 def reshard(src: str, out: str, *, target_tp: Optional[int] = None, num_gpus: Optional[int] = None,
@@ -182,7 +182,8 @@ def reshard(src: str, out: str, *, target_tp: Optional[int] = None, num_gpus: Op
     if num_gpus is not None and num_gpus < 1:
         raise ValueError(f"--num-gpus must be a positive integer, got {num_gpus}")
     latest_tag, sidecar = found
-    config, world = target_config(sidecar, out, target_tp=target_tp, num_gpus=num_gpus, zero_stage=zero_stage)
+    parsed, world = target_config(sidecar, out, target_tp=target_tp, num_gpus=num_gpus, zero_stage=zero_stage)
+    config = config_to_dict(parsed)
     prepare_output(out, overwrite, src)
     state = state_of(sidecar)
     tags = [t for _, t in sorted(state.open_levels.items())] + [latest_tag]
@@ -195,10 +196,9 @@ def reshard(src: str, out: str, *, target_tp: Optional[int] = None, num_gpus: Op
         meta["config"] = config
         items.append({"tensors": tensors, "state": ckpt.sidecar["state"], "meta": meta, "latest": tag == latest_tag,
                       "model": ckpt.model, "path": ckpt.path})
-    source = load_config(sidecar["config"])
     optimizer = run_ranks(state_worker, sidecar["world_size"], sidecar["config"], os.path.abspath(src),
                           [(tag, item["state"]) for tag, item in zip(tags, items)],
-                          tensor_model_parallel_size=source.level_tp_sizes()[0])[0]
+                          tensor_model_parallel_size=ckpt.config.level_tp_sizes()[0])[0]  # the latest's: the source's
     for item, read in zip(items, optimizer):
         item.update(read)
     latest = items[-1]
@@ -207,7 +207,6 @@ def reshard(src: str, out: str, *, target_tp: Optional[int] = None, num_gpus: Op
     full_logits = verify.logits_full(latest["tensors"], latest["model"], tokens, step=step)
     os.makedirs(out, exist_ok=True)
     payload = [{k: v for k, v in item.items() if k != "model"} for item in items]
-    parsed = load_config(config)
     tp = parsed.level_tp_sizes()[0]
     written = run_ranks(rank_worker, world, config, os.path.abspath(out), payload, tokens,
                         tensor_model_parallel_size=tp)[0]

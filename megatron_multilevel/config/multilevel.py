@@ -228,7 +228,7 @@ class MultilevelConfig:
         if not self.coalesce_width:
             raise ValueError("multilevel.width_growth 'aki' initialises the units a level grown in width adds; it "
                              "needs coalesce_width true (valid choices are ['fpi', 'aki'], 'fpi' without width)")
-        if self.enabled and "grow" not in arrivals(self.walk()):
+        if self.enabled and not self.grown_levels():
             raise ValueError(f"multilevel.width_growth 'aki': cycle {self.cycle!r} grows no level (only the first "
                              f"arrival at a level of cycle 'f' or 'grow' does; a return interpolates and de-coalesces "
                              f"by 'fpi'); valid choices are {list(WIDTH_GROWTHS)}, set it to 'fpi'")
@@ -246,7 +246,7 @@ class MultilevelConfig:
             raise ValueError("multilevel.growth_mask_steps: depth_scaling 'ode' halves the kept layers' residual "
                              "branches, so the masked model would not compute the smaller one; valid choices are "
                              "['none', 'identity']")
-        grown = [spec for spec, how in zip(self.phase_specs(), arrivals(self.walk())) if how == "grow"]
+        grown = self.grown_specs()
         if not grown:
             raise ValueError(f"multilevel.growth_mask_steps: cycle {self.cycle!r} grows no level (only the first "
                              f"arrival at a level of cycle 'f' or 'grow' does); set it to 0")
@@ -257,9 +257,14 @@ class MultilevelConfig:
                     f"{spec.level}'s visit after growth: the mask must reach 1 before the model leaves the level"
                 )
 
+    def grown_specs(self) -> list[PhaseSpec]:
+        """The phases that start at a level a transition grows (the first arrival at it in an F- or
+        grow cycle)."""
+        return [spec for spec, how in zip(self.phase_specs(), arrivals(self.walk())) if how == "grow"]
+
     def grown_levels(self) -> list[int]:
-        """The levels that a transition grows (the first arrival at them in an F- or grow cycle)."""
-        return [spec.level for spec, how in zip(self.phase_specs(), arrivals(self.walk())) if how == "grow"]
+        """The levels that a transition grows."""
+        return [spec.level for spec in self.grown_specs()]
 
     def _check_growth_operator(self) -> None:
         if self.growth_operator not in GROWTH_OPERATORS:
