@@ -70,6 +70,11 @@ SIZES = {
     "cpu-bert": dict(model={"kind": "bert", "num_layers": 8, "hidden_size": 256, "num_attention_heads": 8,
                             "vocab_size": 4096, "max_sequence_length": 64},
                      seq=64, batch=16, steps=480, fine_lr=1e-3),
+    # BERT at the regime study's small shape and vocabulary, for the BERT study's long point (20 tokens
+    # per parameter at 4,700 steps; the 8 x 256 BERT would need 300,000 steps for that on 2 cores).
+    "cpu-bert-4x64": dict(model={"kind": "bert", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                                 "vocab_size": 512, "max_sequence_length": 64},
+                          seq=64, batch=16, steps=4700, fine_lr=4e-3),
     "tiny": dict(model={"kind": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
                         "vocab_size": 512, "max_sequence_length": 32},
                  seq=32, batch=8, steps=12, fine_lr=2e-3),
