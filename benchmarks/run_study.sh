@@ -248,6 +248,20 @@ BERT=(
   "--methods vcycle3 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper $FRACTIONS"
   "--methods stacking --depth-scaling ode $FRACTIONS"
 )
+# BERT where the full model may beat the half-depth one: the 4 x 64 BERT at the regime study's
+# vocabulary, 4,700 steps (20 tokens per parameter; its own pin, STUDY_COMMIT), two seeds. The
+# baseline tuned and the control first, then every method at the full budget (the recipe also with
+# the 10% first visit that paid at 81 tokens per parameter on GPT), then the budget fractions.
+BERT_LONG_METHODS=(
+  "--recipe --coarse-share 0.1 --tag=-coarse0.1"
+  "--recipe"
+  "$STACK_LEVERS"
+  "--methods vcycle2 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper"
+)
+BERT_LONG=("--recipe --methods coarse --scratch-lr 0.002 0.004 0.008 --fractions 1.0")
+for line in "${BERT_LONG_METHODS[@]}"; do BERT_LONG+=("$line --fractions 1.0"); done
+for line in "${BERT_LONG_METHODS[@]}"; do BERT_LONG+=("$line --fractions 0.6 0.8"); done
+POINTS[bert-4x64-4700]="--size cpu-bert-4x64 --steps 4700"
 # The ODE strategy again (docs/benchmarks.md, "The ODE strategy, measured again"): the paper's model
 # and optimizer (SGD), against the best-tuned baseline: training from scratch by SGD and by AdamW,
 # each at three rates, with one cosine decay over the run or the peak held and the decay over the
@@ -278,6 +292,7 @@ POINTS[bert-8x256-1920]="--size cpu-bert --steps 1920"
 
 recipes_of() {  # the recipe lines of a point
   case "$1" in
+    bert-4x64-*) printf '%s\n' "${BERT_LONG[@]}" ;;
     bert-*) printf '%s\n' "${BERT[@]}" ;;
     ode-*) printf '%s\n' "${ODE[@]}" ;;
     peers-4x64-18800) printf '%s\n' "${PEERS_LONG[@]}" ;;
@@ -298,7 +313,7 @@ if [[ "${1:-}" == "--seeds" ]]; then
 fi
 if [[ "${1:-}" == "--list" ]]; then
   for point in "${ORDER[@]}" ablation-8x256-480 ablation-8x256-480-b582310 "${LONG_POINTS[@]}" \
-      "${CONTROL_POINTS[@]}" peers-8x256-480 peers2-8x256-480 peers-4x64-18800 bert-8x256-480 bert-8x256-1920 ode-12x256-480; do
+      "${CONTROL_POINTS[@]}" peers-8x256-480 peers2-8x256-480 peers-4x64-18800 bert-8x256-480 bert-8x256-1920 bert-4x64-4700 ode-12x256-480; do
     while IFS= read -r recipe; do
       echo "$point: ${POINTS[$point]} $recipe (seeds 1234 to $((1233 + ${SEEDS[$point]:-2})))"
     done < <(recipes_of "$point")
