@@ -8,7 +8,8 @@ import pytest
 
 from launch_helpers import ROOT, make_corpus, preprocess
 from megatron_multilevel.config import load_config
-from megatron_multilevel.study.runs import kept_runs
+from megatron_multilevel.study.report import collect, family, normalized_at_flops, normalized_seconds, table
+from megatron_multilevel.study.runs import kept_runs, reusable
 from megatron_multilevel.study.savings import at_fraction, equal_quality, first_crossing, run_savings, summarize
 from megatron_multilevel.study.variants import compress, variant_configs
 
@@ -324,7 +325,7 @@ def test_bert2bert_init_names_the_aki_runs_apart():
     made = tool.variants(tool.parse_args(tool.build_parser(), argv + ["--bert2bert-init", "aki"]), base)
     plain = tool.variants(args, base)
     assert sorted(made) == ["bert2bert-aki", "scratch"] and sorted(plain) == ["bert2bert", "scratch"]
-    assert tool.family("bert2bert-aki") == "bert2bert"
+    assert family("bert2bert-aki") == "bert2bert"
     assert "width_growth" not in plain["bert2bert"]["multilevel"]
     assert made["bert2bert-aki"]["multilevel"] == {**plain["bert2bert"]["multilevel"], "width_growth": "aki"}
     assert load_config(made["bert2bert-aki"]).multilevel.width_growth == "aki"
@@ -345,7 +346,7 @@ def test_scratch_schedules_are_baseline_candidates():
     # 4 warm-up steps, the peak to step 75, a cosine over the last 24 (round(0.25 * 96))
     factors = [lr_factor(s, phase.steps, phase.lr) for s in range(100)]
     assert factors[3:76] == [1.0] * 73 and 1.0 > factors[77] > factors[98]
-    assert tool.family("scratch-lr0.004-wsd0.25") == "scratch"
+    assert family("scratch-lr0.004-wsd0.25") == "scratch"
     with pytest.raises(SystemExit):
         tool.parse_args(tool.build_parser(), ["--size", "tiny", "--scratch-decay-fraction", "0"])
     # a size trained by SGD, its baseline also by AdamW: named apart, AdamW's rate the one given
@@ -358,24 +359,21 @@ def test_scratch_schedules_are_baseline_candidates():
 
 
 def test_normalised_wall_clock_by_hand():
-    tool = _tool()
     times = {"8x256": {"seconds_per_step": 1.0}, "4x128": {"seconds_per_step": 0.25}}
     fine, coarse = {"num_layers": 8, "hidden_size": 256}, {"num_layers": 4, "hidden_size": 128}
     # 10 fine steps (100 FLOPs), 40 coarse steps (80 FLOPs), 10 fine steps (100 FLOPs)
     phases = [{"steps": 10, "model": fine, "flops": 100.0}, {"steps": 40, "model": coarse, "flops": 80.0},
               {"steps": 10, "model": fine, "flops": 100.0}]
-    assert tool.normalized_seconds(phases, times) == pytest.approx(10 + 40 * 0.25 + 10)
-    assert tool.normalized_at_flops(phases, times, 50.0) == pytest.approx(5.0)  # half the first phase
-    assert tool.normalized_at_flops(phases, times, 140.0) == pytest.approx(10 + 5.0)  # half the coarse phase
-    assert tool.normalized_at_flops(phases, times, 230.0) == pytest.approx(20 + 5.0)
-    assert tool.family("fcycle2-depth-ea0.1") == "fcycle" and tool.family("scratch") == "scratch"
+    assert normalized_seconds(phases, times) == pytest.approx(10 + 40 * 0.25 + 10)
+    assert normalized_at_flops(phases, times, 50.0) == pytest.approx(5.0)  # half the first phase
+    assert normalized_at_flops(phases, times, 140.0) == pytest.approx(10 + 5.0)  # half the coarse phase
+    assert normalized_at_flops(phases, times, 230.0) == pytest.approx(20 + 5.0)
+    assert family("fcycle2-depth-ea0.1") == "fcycle" and family("scratch") == "scratch"
 
 
 def test_the_table_says_where_the_smaller_model_suffices():
     """The coarse model alone, where its full-budget run reaches scratch's final loss in a seed, is
     marked in the table (the smaller model is then the better choice at this budget); elsewhere not."""
-    tool = _tool()
-
     times = {"8x256": {"seconds_per_step": 1.0}, "4x256": {"seconds_per_step": 0.5}}
 
     def run(method, seed, loss):
@@ -389,11 +387,11 @@ def test_the_table_says_where_the_smaller_model_suffices():
     results = [run("scratch", 1, 3.9), run("scratch", 2, 3.8),
                run("coarse", 1, 3.7), run("coarse", 2, 3.85),  # better than scratch in seed 1 only
                run("fcycle2", 1, 3.6), run("fcycle2", 2, 3.5)]
-    table = tool.table(tool.collect(results, times))
-    assert "| coarse (the smaller model suffices: 1/2 seeds) |" in table
-    assert "| fcycle2 |" in table and "| scratch |" in table
+    md = table(collect(results, times))
+    assert "| coarse (the smaller model suffices: 1/2 seeds) |" in md
+    assert "| fcycle2 |" in md and "| scratch |" in md
     worse = [r for r in results if r["method"] != "coarse"] + [run("coarse", 1, 4.0), run("coarse", 2, 3.9)]
-    assert "| coarse |" in tool.table(tool.collect(worse, times))
+    assert "| coarse |" in table(collect(worse, times))
 
 
 def test_ode_variant_schedule():
@@ -479,19 +477,18 @@ def test_kept_runs_of_one_code_version(tmp_path):
 
 
 def test_a_kept_run_is_reused_from_another_checkout_only(tmp_path):
-    tool = _tool()
     config = {"training": {"output_dir": "/a/runs/x", "lr": {"peak": 1e-3}},
               "data": {"cache_dir": "/a/.cache/data", "seq_length": 64}}
     kept = tmp_path / "run.json"
     kept.write_text(json.dumps({"version": "v1", "config": {
         "training": {"output_dir": "/b/runs/y", "lr": {"peak": 1e-3}},
         "data": {"cache_dir": "/b/.cache/data", "seq_length": 64}}}))
-    assert tool._reusable(str(kept), "v1", config)  # other places, same settings, same code
-    assert not tool._reusable(str(kept), "v2", config)  # other code
+    assert reusable(str(kept), "v1", config)  # other places, same settings, same code
+    assert not reusable(str(kept), "v2", config)  # other code
     other = json.loads(json.dumps(config))
     other["data"]["seq_length"] = 128
-    assert not tool._reusable(str(kept), "v1", other)  # another setting
-    assert not tool._reusable(str(tmp_path / "missing.json"), "v1", config)
+    assert not reusable(str(kept), "v1", other)  # another setting
+    assert not reusable(str(tmp_path / "missing.json"), "v1", config)
     assert config["data"]["cache_dir"] == "/a/.cache/data"  # the caller's config is left as it was
 
 
@@ -682,7 +679,6 @@ def test_phase_leads_against_scratch_at_equal_flops(tmp_path):
 def test_savings_are_against_the_best_tuned_scratch():
     """Of the scratch runs at several learning rates, the one ending lowest (median over seeds, among
     the rates run with every seed) is the baseline; the others stay in the table with what they lose."""
-    tool = _tool()
     times = {"8x256": {"seconds_per_step": 1.0}}
 
     def run(method, seed, loss, fraction=1.0):
@@ -697,7 +693,7 @@ def test_savings_are_against_the_best_tuned_scratch():
                run("scratch-lr0.001", 1, 4.0), run("scratch-lr0.001", 2, 4.1),
                run("scratch-lr0.008", 1, 3.0),  # one seed only: not a candidate
                run("fcycle2", 1, 3.6), run("fcycle2", 2, 3.72), run("fcycle2", 1, 3.8, 0.5), run("fcycle2", 2, 3.8, 0.5)]
-    summary = tool.collect(results, times)
+    summary = collect(results, times)
     assert summary["baseline"] == "scratch-lr0.004"
     first = summary["methods"]["fcycle2"]["seeds"][0]
     assert first["target_loss"] == 3.7
@@ -707,14 +703,13 @@ def test_savings_are_against_the_best_tuned_scratch():
     assert summary["methods"]["fcycle2"]["seeds"][1]["eq_saving_flops"] == pytest.approx(1 - (0.5 + 0.5 * 0.05 / 0.08))
     # the untuned scratch stays beside it, with the FLOPs it would have needed: never reached
     assert summary["methods"]["scratch"]["final_valid_loss"]["median"] == pytest.approx(3.85)
-    assert "| scratch-lr0.004 |" in tool.table(summary) and "| scratch |" in tool.table(summary)
+    assert "| scratch-lr0.004 |" in table(summary) and "| scratch |" in table(summary)
 
 
 def test_the_baselines_own_crossing_is_no_saving():
     """A baseline whose curve dips under its final loss before the end (a noisy last evaluation)
     crosses it early; both crossing figures measure against that crossing, so the baseline saves
     nothing by either, and a method's normalised saving is against the same point."""
-    tool = _tool()
     times = {"8x256": {"seconds_per_step": 1.0}}
 
     def run(method, losses):
@@ -724,7 +719,7 @@ def test_the_baselines_own_crossing_is_no_saving():
                 "phases": [{"steps": 100, "model": {"num_layers": 8, "hidden_size": 256}, "flops": 100.0}],
                 "totals": {"final_valid_loss": losses[-1], "flops": 100.0, "wall_seconds": 4.0}}
 
-    summary = tool.collect([run("scratch", [5.0, 4.0, 3.0, 3.1]), run("fcycle2", [4.0, 3.05, 2.9, 2.8])], times)
+    summary = collect([run("scratch", [5.0, 4.0, 3.0, 3.1]), run("fcycle2", [4.0, 3.05, 2.9, 2.8])], times)
     base = summary["methods"]["scratch"]["seeds"][0]
     assert base["crossing_saving_flops"] == 0.0 and base["crossing_saving_seconds_normalized"] == pytest.approx(0.0)
     # scratch reaches 3.1 at 50 + 25 * 0.9 = 72.5 FLOPs (between 4.0 and 3.0, before its last 3.1);

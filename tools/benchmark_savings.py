@@ -31,7 +31,6 @@ every kept run made by the same code and only runs what is missing, and the repo
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -39,54 +38,9 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 from megatron_multilevel.level_maps import DEPTH_SCALINGS  # noqa: E402
-
-SIZES = {
-    # The pilot's model, on sequences of 64 tokens to fit the CPU budget.
-    "cpu": dict(model={"kind": "gpt", "num_layers": 8, "hidden_size": 256, "num_attention_heads": 8,
-                       "vocab_size": 4096, "max_sequence_length": 64},
-                seq=64, batch=16, steps=480, fine_lr=1e-3),
-    # Half the width and depth, for the scale study (a larger learning rate suits the smaller model).
-    "cpu-small": dict(model={"kind": "gpt", "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
-                             "vocab_size": 4096, "max_sequence_length": 64},
-                      seq=64, batch=16, steps=960, fine_lr=2e-3),
-    # The regime study's long points (docs/benchmarks.md, "Where it pays"): models small enough to
-    # train at 20 and more tokens per parameter on 2 CPU cores, on the embedded corpus at a 512-piece
-    # vocabulary (8.7 million tokens: about one epoch at 20 tokens per parameter of 8 x 64). Their
-    # rate: the best of 1e-3, 2e-3 and 4e-3 for scratch on 4 x 64 at 20 tokens per parameter.
-    "cpu-4x64": dict(model={"kind": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-                            "vocab_size": 512, "max_sequence_length": 64},
-                     seq=64, batch=16, steps=4600, fine_lr=4e-3),
-    "cpu-8x64": dict(model={"kind": "gpt", "num_layers": 8, "hidden_size": 64, "num_attention_heads": 4,
-                            "vocab_size": 512, "max_sequence_length": 64},
-                     seq=64, batch=16, steps=8500, fine_lr=4e-3),
-    # The ODE paper's model (Lauga et al.: GPT decoder, 12 blocks, width 256, 8 heads) and optimizer
-    # (SGD; with its momentum, as configs/gpt_ode_alternating.json), at the CPU data budget.
-    "ode-paper": dict(model={"kind": "gpt", "num_layers": 12, "hidden_size": 256, "num_attention_heads": 8,
-                             "vocab_size": 4096, "max_sequence_length": 64},
-                      seq=64, batch=16, steps=480, fine_lr=0.1,
-                      optimizer={"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}}),
-    # BERT of the headline GPT's shape (masked-language modelling with the binary head, as the
-    # BERT configs have it), on the embedded corpus, for the BERT study (docs/benchmarks.md).
-    "cpu-bert": dict(model={"kind": "bert", "num_layers": 8, "hidden_size": 256, "num_attention_heads": 8,
-                            "vocab_size": 4096, "max_sequence_length": 64},
-                     seq=64, batch=16, steps=480, fine_lr=1e-3),
-    # BERT at the regime study's small shape and vocabulary, for the BERT study's long point (20 tokens
-    # per parameter at 4,700 steps; the 8 x 256 BERT would need 300,000 steps for that on 2 cores).
-    "cpu-bert-4x64": dict(model={"kind": "bert", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-                                 "vocab_size": 512, "max_sequence_length": 64},
-                          seq=64, batch=16, steps=4700, fine_lr=4e-3),
-    "tiny": dict(model={"kind": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-                        "vocab_size": 512, "max_sequence_length": 32},
-                 seq=32, batch=8, steps=12, fine_lr=2e-3),
-    "gpt-base": dict(config="configs/gpt_base_scratch.json", steps=20000, fine_lr=6e-4),
-    "bert-base": dict(config="configs/bert_base.json", steps=60000, fine_lr=1e-4),
-}
-
-
-def adamw(lr: float) -> dict:
-    """The AdamW of every size that names no other optimizer."""
-    return {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.01, "torch_adam": True}}
-
+from megatron_multilevel.study.report import collect, family, shape_name, table  # noqa: E402
+from megatron_multilevel.study.runs import reusable, run_result, source_commit, write_json  # noqa: E402
+from megatron_multilevel.study.sizes import SIZES, adamw  # noqa: E402
 
 def base_config(args) -> dict:
     size = SIZES[args.size]
@@ -240,10 +194,6 @@ def launch(config: dict, path: str, procs: int) -> float:
     return time.time() - t0
 
 
-def shape_name(model: dict) -> str:
-    return f"{model['num_layers']}x{model['hidden_size']}"
-
-
 def step_times(configs: dict[str, dict], *, steps: int = 12) -> dict:
     """Seconds per training step of every model shape the configs train, measured alternately in
     this one process on the same batch (runs made one after another on a shared machine are not
@@ -304,183 +254,8 @@ def kept_step_times(path: str, version: str, results: list[dict], measure=step_t
         # times lack: per-step times are comparable only when measured in one process
         times = measure({name: json.loads(json.dumps(r["config"])) for name, r in
                          {r["method"]: r for r in results}.items()})
-        _write_json(path, {"version": version, "times": times})
+        write_json(path, {"version": version, "times": times})
     return times
-
-
-def normalized_seconds(phases: list[dict], times: dict) -> float:
-    """A run's training time in seconds of the per-step times measured in one process: each
-    phase's steps times its shape's time per step (transitions not counted)."""
-    return sum(p["steps"] * times[shape_name(p["model"])]["seconds_per_step"] for p in phases)
-
-
-def normalized_at_flops(phases: list[dict], times: dict, flops: float) -> float:
-    """Normalised seconds spent by the time a run has spent ``flops`` training FLOPs (within a
-    phase both grow in proportion)."""
-    spent = seconds = 0.0
-    for p in phases:
-        phase_seconds = p["steps"] * times[shape_name(p["model"])]["seconds_per_step"]
-        if spent + p["flops"] >= flops:
-            return seconds + phase_seconds * (flops - spent) / p["flops"]
-        spent, seconds = spent + p["flops"], seconds + phase_seconds
-    return seconds
-
-
-def run_result(run_dir: str, *, method: str, fraction: float, seed: int, version: str, config: dict) -> dict:
-    """The small record of one finished run that is kept (and committed) with the benchmark."""
-    from megatron_multilevel.training.metrics import read_metrics
-
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        summary = json.load(f)
-    config = json.loads(json.dumps(config))
-    config["training"].pop("output_dir")
-    valid = [{k: r[k] for k in ("level", "phase", "global_step", "loss", "tokens", "flops", "seconds")}
-             for r in read_metrics(run_dir) if r.get("type") == "valid"]
-    phases = [{k: p[k] for k in ("phase", "name", "level", "steps", "model", "flops", "valid_loss")}
-              for p in summary["phases"]]
-    return {"method": method, "fraction": fraction, "seed": seed, "version": version, "commit": _commit(),
-            "config": config, "valid": valid, "phases": phases, "totals": summary["totals"]}
-
-
-def _commit() -> str:
-    result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    dirty = subprocess.run(["git", "status", "--porcelain", "megatron_multilevel", "launch"], capture_output=True,
-                           text=True, cwd=ROOT).stdout.strip()
-    return (result.stdout.strip() or "unknown") + ("+uncommitted" if dirty else "")
-
-
-def collect(results: list[dict], times: dict) -> dict:
-    """Savings per method and seed against the baseline of the same seed, and their medians."""
-    from megatron_multilevel.study.savings import (at_fraction, equal_quality, fine_curve, first_crossing,
-                                                   run_savings, summarize)
-
-    def records(run):
-        return [{**r, "type": "valid"} for r in run["valid"]]
-
-    baseline = best_scratch(results)
-    seeds = sorted({r["seed"] for r in results if r["method"] == baseline and r["fraction"] == 1.0})
-    names = list(dict.fromkeys(r["method"] for r in results))
-    methods = {}
-    for name in names:
-        per_seed = []
-        for seed in seeds:
-            base = next(r for r in results if r["method"] == baseline and r["seed"] == seed and r["fraction"] == 1.0)
-            runs = sorted((r for r in results if r["method"] == name and r["seed"] == seed), key=lambda r: r["fraction"])
-            if not runs:
-                continue
-            target = base["totals"]["final_valid_loss"]
-            base_norm = normalized_seconds(base["phases"], times)
-            row = {"seed": seed, "target_loss": target,
-                   "final_valid_loss": {f"{r['fraction']:g}": r["totals"]["final_valid_loss"] for r in runs}}
-            full = next((r for r in runs if r["fraction"] == 1.0), None)
-            if full is not None:
-                crossing = run_savings(records(full), records(base))
-                row.update({f"crossing_{k}": v for k, v in crossing.items() if k.startswith(("saving", "flops_to",
-                                                                                                "seconds_to"))})
-                if crossing["flops_to_target"] is not None:
-                    # against the FLOPs at which the baseline itself first reaches its final loss,
-                    # as the FLOPs saving is (a noisy last evaluation can come after that)
-                    base_crossing = first_crossing(fine_curve(records(base), "flops"), target)
-                    base_at = normalized_at_flops(base["phases"], times, base_crossing)
-                    row["crossing_saving_seconds_normalized"] = 1.0 - normalized_at_flops(
-                        full["phases"], times, crossing["flops_to_target"]) / base_at
-            eq = equal_quality([(r["fraction"], r["totals"]["final_valid_loss"]) for r in runs], target)
-            if len(runs) < 2 and name != baseline:  # one budget: no curve over budgets to read the fraction from
-                eq = {"fraction": None, "saving": None, "bound": "one_budget", "gap": None}
-            row["equal_quality"] = eq
-            if eq["fraction"] is not None:
-                seconds = at_fraction([(r["fraction"], r["totals"]["wall_seconds"]) for r in runs], eq["fraction"])
-                norm = at_fraction([(r["fraction"], normalized_seconds(r["phases"], times)) for r in runs],
-                                   eq["fraction"])
-                row["eq_saving_flops"] = eq["saving"]
-                row["eq_saving_seconds"] = 1.0 - seconds / base["totals"]["wall_seconds"]
-                row["eq_saving_seconds_normalized"] = 1.0 - norm / base_norm
-            else:
-                row["eq_saving_flops"] = row["eq_saving_seconds"] = row["eq_saving_seconds_normalized"] = None
-            per_seed.append(row)
-        keys = ("eq_saving_flops", "eq_saving_seconds_normalized", "eq_saving_seconds", "crossing_saving_flops",
-                "crossing_saving_seconds_normalized", "crossing_saving_seconds")
-        methods[name] = {"family": family(name), **{k: summarize([row.get(k) for row in per_seed]) for k in keys},
-                         "final_valid_loss": summarize([row["final_valid_loss"].get("1") for row in per_seed]),
-                         "seeds": per_seed}
-    return {"baseline": baseline, "seeds": seeds, "methods": methods}
-
-
-def best_scratch(results: list[dict]) -> str:
-    """The baseline: of the scratch runs at each learning rate (``--scratch-lr``), the rate whose
-    full-budget runs end lowest (median over its seeds), among the rates run with the most seeds, so
-    that every saving is measured against the best-tuned training from scratch of the point."""
-    finals: dict[str, dict[int, float]] = {}
-    for r in results:
-        if family(r["method"]) == "scratch" and r["fraction"] == 1.0:
-            finals.setdefault(r["method"], {})[r["seed"]] = r["totals"]["final_valid_loss"]
-    assert finals, "no run of training from scratch at the full budget"
-    most = max(len(by_seed) for by_seed in finals.values())
-    return min((name for name, by_seed in finals.items() if len(by_seed) == most),
-               key=lambda name: (statistics.median(finals[name].values()), name))
-
-
-def family(name: str) -> str:
-    for prefix in ("scratch", "coarse", "vcycle", "wcycle", "fcycle", "ode", "stacking", "gstack", "msg", "ligo",
-                   "bert2bert"):
-        if name.startswith(prefix):
-            return prefix
-    raise AssertionError(f"method {name!r} has no family")
-
-
-def table(results: dict) -> str:
-    def pct(s):
-        return "not reached" if s["median"] is None else (
-            f"{100 * s['median']:.1f}% ({100 * s['min']:.1f} to {100 * s['max']:.1f})" + (
-                f", reached {s['reached']}/{s['n']}" if s["reached"] < s["n"] else ""))
-
-    def equal(m, key):
-        bounds = {row["equal_quality"]["bound"] for row in m["seeds"]}
-        if m["family"] == "scratch":
-            return pct(m[key])
-        if bounds == {"one_budget"}:
-            return "one budget run"
-        return pct(m[key]) + (" (at least: the smallest budget reached it)" if "at_most" in bounds else "")
-
-    lines = ["| method | final valid loss | equal quality: FLOPs saving | wall-clock (normalised) | wall-clock (raw) "
-             "| curve crossing: FLOPs saving | wall-clock (normalised) | wall-clock (raw) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, m in results["methods"].items():
-        loss = m["final_valid_loss"]
-        suffices = smaller_model_suffices(m)
-        if suffices:
-            name += f" (the smaller model suffices: {suffices})"
-        lines.append(
-            f"| {name} | {'n/a' if loss['median'] is None else format(loss['median'], '.4f')} "
-            f"| {equal(m, 'eq_saving_flops')} | {equal(m, 'eq_saving_seconds_normalized')} "
-            f"| {equal(m, 'eq_saving_seconds')} | {pct(m['crossing_saving_flops'])} "
-            f"| {pct(m['crossing_saving_seconds_normalized'])} | {pct(m['crossing_saving_seconds'])} |")
-    return "\n".join(lines)
-
-
-def smaller_model_suffices(method: dict) -> "str | None":
-    """For the coarse model alone: in how many seeds its full-budget run reaches scratch's final loss
-    (``"2/2 seeds"``), or None (another method, or no seed reached it). Where it does, the smaller
-    model is the better choice at this budget, and a multilevel saving shows only that the full
-    model was not needed yet."""
-    if method["family"] != "coarse":
-        return None
-    rows = [row for row in method["seeds"] if row["final_valid_loss"].get("1") is not None]
-    reached = sum(row["final_valid_loss"]["1"] <= row["target_loss"] for row in rows)
-    return f"{reached}/{len(rows)} seed{'s' if len(rows) > 1 else ''}" if reached else None
-
-
-def plots(out_dir: str, results: list[dict], target: float) -> list[str]:
-    from megatron_multilevel.study.plotting import plot_budgets, plot_validation
-
-    seed = min(r["seed"] for r in results)
-    curves = {r["method"]: [{**v, "type": "valid"} for v in r["valid"]] for r in results
-              if r["seed"] == seed and r["fraction"] == 1.0}
-    budgets = {}
-    for r in results:
-        budgets.setdefault(r["method"], {}).setdefault(r["seed"], []).append(
-            (r["fraction"], r["totals"]["final_valid_loss"]))
-    return plot_validation(curves, out_dir, target=target) + [plot_budgets(budgets, out_dir, target=target)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -619,12 +394,12 @@ def main(argv=None) -> int:
                 cfg["training"]["seed"] = seed
                 cfg["training"]["output_dir"] = os.path.join(work, run)
                 kept = os.path.join(results_dir, run + ".json")
-                if _reusable(kept, version, cfg):
+                if reusable(kept, version, cfg):
                     continue
                 seconds = launch(cfg, os.path.join(work, run + ".json"), args.procs)
                 result = run_result(cfg["training"]["output_dir"], method=name, fraction=fraction, seed=seed,
-                                    version=version, config=cfg)
-                _write_json(kept, result)
+                                    version=version, commit=source_commit(ROOT), config=cfg)
+                write_json(kept, result)
                 print(f"seed {seed}: {run} done in {seconds:.0f} s, final validation loss "
                       f"{result['totals']['final_valid_loss']:.4f}", flush=True)
     report(args, base, names, version, results_dir, started, argv)
@@ -635,30 +410,9 @@ METHODS = ["coarse", "vcycle2", "vcycle3", "wcycle2", "fcycle2", "stacking", "st
            "bert2bert", "ode2"]
 
 
-def _reusable(path: str, version: str, config: dict) -> bool:
-    """A kept result of the same run by the same code."""
-    if not os.path.exists(path):
-        return False
-    with open(path) as f:
-        kept = json.load(f)
-    # where a run writes and where its prepared data are cached are places, not settings: a run
-    # made from another checkout of the same code, on the same data, is the same run
-    config, kept_config = json.loads(json.dumps(config)), json.loads(json.dumps(kept["config"]))
-    for cfg in (config, kept_config):
-        cfg["training"].pop("output_dir", None)
-        cfg.get("data", {}).pop("cache_dir", None)
-    return kept["version"] == version and kept_config == config
-
-
-def _write_json(path: str, value) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=1)
-    os.replace(tmp, path)
-
-
 def report(args, base: dict, names: list[str], version: str, results_dir: str, started: float, argv) -> dict:
     """Tables, plots and ``results.json`` from the kept results of this code version."""
+    from megatron_multilevel.study.plotting import plot_kept_runs
     from megatron_multilevel.study.runs import kept_runs
 
     kept, others = kept_runs(results_dir, version)
@@ -679,9 +433,9 @@ def report(args, base: dict, names: list[str], version: str, results_dir: str, s
         data["cache_dir"] = os.path.relpath(data["cache_dir"], ROOT)
     out_dir = args.results or args.out
     target = summary["methods"][summary["baseline"]]["seeds"][0]["target_loss"]
-    summary["plots"] = [os.path.basename(pth) for pth in plots(out_dir, results, target)]
+    summary["plots"] = [os.path.basename(pth) for pth in plot_kept_runs(out_dir, results, target)]
     md = table(summary)
-    _write_json(os.path.join(out_dir, "results.json"), summary)
+    write_json(os.path.join(out_dir, "results.json"), summary)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(md + "\n")
     print(md)

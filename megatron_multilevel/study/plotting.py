@@ -114,6 +114,20 @@ def plot_budgets(budgets: dict[str, dict[int, list[tuple[float, float]]]], out_d
                    os.path.join(out_dir, "final_loss_vs_budget.png"))
 
 
+def plot_kept_runs(out_dir: str, results: list[dict], target: float) -> list[str]:
+    """The savings benchmark's plots from its kept run files (``results``): the validation curves
+    of the full-budget runs of the first seed (:func:`plot_validation`) and every run's final loss
+    against its budget (:func:`plot_budgets`), ``target`` (scratch's final loss) dashed in both."""
+    seed = min(r["seed"] for r in results)
+    curves = {r["method"]: [{**v, "type": "valid"} for v in r["valid"]] for r in results
+              if r["seed"] == seed and r["fraction"] == 1.0}
+    budgets = {}
+    for r in results:
+        budgets.setdefault(r["method"], {}).setdefault(r["seed"], []).append(
+            (r["fraction"], r["totals"]["final_valid_loss"]))
+    return plot_validation(curves, out_dir, target=target) + [plot_budgets(budgets, out_dir, target=target)]
+
+
 def plot_scale(rows: list[dict], out_dir: str) -> str:
     """FLOPs saved at equal quality (solid) and by the curve crossing (dashed) against the token
     budget, one panel per model shape and one colour per method; bars: lowest to highest seed;

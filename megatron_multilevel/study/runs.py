@@ -1,8 +1,12 @@
-"""The benchmark's kept runs: the code version a run is made by (:func:`source_version`), and the
-run files of one code version (:func:`kept_runs`).
+"""The benchmark's kept runs: the code version a run is made by (:func:`source_version`) and the
+commit it was made from (:func:`source_commit`), the small record of a finished run that is kept
+(:func:`run_result`, written by :func:`write_json`), whether a kept run can be reused
+(:func:`reusable`), and the run files of one code version (:func:`kept_runs`).
 """
 
+import json
 import os
+import subprocess
 
 # The package's folders of report-only code (not run by training), left out of the code version.
 REPORT_ONLY = ("study",)
@@ -11,8 +15,8 @@ REPORT_ONLY = ("study",)
 def source_version(root: str) -> str:
     """A short hash of the code a run executes (the package and the launcher), so that figures
     made by different code are never put in one table. The study's code (this folder,
-    ``study/``: the savings arithmetic, the compared methods' configs, this bookkeeping and the
-    plots) is not run by training and is left out: a change to a report does not make the runs
+    ``study/``: the savings arithmetic and report, the compared methods' configs and sizes, this
+    bookkeeping and the plots) is not run by training and is left out: a change to a report does not make the runs
     under it stale."""
     import hashlib
 
@@ -36,10 +40,58 @@ def kept_runs(runs_dir: str, version: str) -> tuple[list[dict], list[str]]:
     ``version`` (:func:`source_version`), in file-name order, and the other code versions found
     there: those are left out, so that a table never mixes code versions."""
     import glob
-    import json
 
     runs = []
     for path in sorted(glob.glob(os.path.join(runs_dir, "*.json"))):
         with open(path) as f:
             runs.append(json.load(f))
     return [r for r in runs if r["version"] == version], sorted({r["version"] for r in runs} - {version})
+
+
+def source_commit(root: str) -> str:
+    """The git commit of the checkout at ``root``, ``+uncommitted`` where its package or launcher
+    have changes not committed (``unknown`` outside a git checkout)."""
+    result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root)
+    dirty = subprocess.run(["git", "status", "--porcelain", "megatron_multilevel", "launch"], capture_output=True,
+                           text=True, cwd=root).stdout.strip()
+    return (result.stdout.strip() or "unknown") + ("+uncommitted" if dirty else "")
+
+
+def run_result(run_dir: str, *, method: str, fraction: float, seed: int, version: str, commit: str,
+               config: dict) -> dict:
+    """The small record of one finished run that is kept (and committed) with the benchmark."""
+    from megatron_multilevel.training.metrics import read_metrics
+
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    config = json.loads(json.dumps(config))
+    config["training"].pop("output_dir")
+    valid = [{k: r[k] for k in ("level", "phase", "global_step", "loss", "tokens", "flops", "seconds")}
+             for r in read_metrics(run_dir) if r.get("type") == "valid"]
+    phases = [{k: p[k] for k in ("phase", "name", "level", "steps", "model", "flops", "valid_loss")}
+              for p in summary["phases"]]
+    return {"method": method, "fraction": fraction, "seed": seed, "version": version, "commit": commit,
+            "config": config, "valid": valid, "phases": phases, "totals": summary["totals"]}
+
+
+def reusable(path: str, version: str, config: dict) -> bool:
+    """A kept result of the same run by the same code."""
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        kept = json.load(f)
+    # where a run writes and where its prepared data are cached are places, not settings: a run
+    # made from another checkout of the same code, on the same data, is the same run
+    config, kept_config = json.loads(json.dumps(config)), json.loads(json.dumps(kept["config"]))
+    for cfg in (config, kept_config):
+        cfg["training"].pop("output_dir", None)
+        cfg.get("data", {}).pop("cache_dir", None)
+    return kept["version"] == version and kept_config == config
+
+
+def write_json(path: str, value) -> None:
+    """``value`` as JSON at ``path``, written whole or not at all (through a temporary file)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(tmp, path)
