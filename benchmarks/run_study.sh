@@ -250,15 +250,16 @@ BERT=(
 )
 # BERT where the full model may beat the half-depth one: the 4 x 64 BERT at the regime study's
 # vocabulary, 4,700 steps (20 tokens per parameter; its own pin, STUDY_COMMIT), two seeds. The
-# baseline tuned and the control first, then every method at the full budget (the recipe also with
-# the 10% first visit that paid at 81 tokens per parameter on GPT), then the budget fractions.
+# baseline tuned (1e-3 added once 2e-3, the lowest rate first tried, ended best) and the control
+# first, then every method at the full budget (the recipe also with the 10% first visit that paid
+# at 81 tokens per parameter on GPT), then the budget fractions.
 BERT_LONG_METHODS=(
   "--recipe --coarse-share 0.1 --tag=-coarse0.1"
   "--recipe"
   "$STACK_LEVERS"
   "--methods vcycle2 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper"
 )
-BERT_LONG=("--recipe --methods coarse --scratch-lr 0.002 0.004 0.008 --fractions 1.0")
+BERT_LONG=("--recipe --methods coarse --scratch-lr 0.001 0.002 0.004 0.008 --fractions 1.0")
 for line in "${BERT_LONG_METHODS[@]}"; do BERT_LONG+=("$line --fractions 1.0"); done
 for line in "${BERT_LONG_METHODS[@]}"; do BERT_LONG+=("$line --fractions 0.6 0.8"); done
 POINTS[bert-4x64-4700]="--size cpu-bert-4x64 --steps 4700"
