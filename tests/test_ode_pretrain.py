@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from launch_helpers import (ROOT, SAME_RUN, launch, losses, make_corpus, module_states, preprocess, records,
-                            small_config)
+from launch_helpers import (ROOT, SAME_RUN, assert_close_to_reference, launch, losses, make_corpus, module_states,
+                            preprocess, records, small_config)
 
 SEQ, GLOBAL_BATCH = 32, 8
 ODE = {
@@ -148,10 +148,7 @@ def _crash_and_resume(tmp_path, corpus, crash_at, ode, **blocks):
 def _assert_same_run(run, reference_dir, **tol):
     """Every train and valid loss of ``run`` equal to the reference's: ``SAME_RUN`` in one layout,
     the layout tests' ``abs=2e-4`` across layouts."""
-    ours, ref = losses(run), losses(reference_dir)
-    assert [r[:2] for r in ours] == [r[:2] for r in ref]
-    for a, b in zip(ours, ref):
-        assert a[2] == pytest.approx(b[2], **tol), (a, b)
+    assert_close_to_reference(run, {"dir": reference_dir}, **tol)
     assert _summary(run)["totals"]["final_valid_loss"] == pytest.approx(
         _summary(reference_dir)["totals"]["final_valid_loss"], **tol)
 
