@@ -271,6 +271,13 @@ BERT_LONG+=(
   "later: $STACK_LEVERS $FRACTIONS"
 )
 POINTS[bert-4x64-4700]="--size cpu-bert-4x64 --steps 4700"
+# The same BERT at four times the budget (18,800 steps, 81 tokens per parameter, the GPT regime
+# study's longest point; its own pin, the same code as bert-4x64-4700): first only what decides
+# whether the point can show anything, the baseline at the rate that was best at 4,700 steps and
+# the control.
+BERT_LONGER=("--recipe --methods coarse --scratch-lr 0.002 --fractions 1.0")
+POINTS[bert-4x64-18800]="--size cpu-bert-4x64 --steps 18800"
+SEEDS[bert-4x64-18800]=1
 # The ODE strategy again (docs/benchmarks.md, "The ODE strategy, measured again"): the paper's model
 # and optimizer (SGD), against the best-tuned baseline: training from scratch by SGD and by AdamW,
 # each at three rates, with one cosine decay over the run or the peak held and the decay over the
@@ -301,6 +308,7 @@ POINTS[bert-8x256-1920]="--size cpu-bert --steps 1920"
 
 recipes_of() {  # the recipe lines of a point
   case "$1" in
+    bert-4x64-18800) printf '%s\n' "${BERT_LONGER[@]}" ;;
     bert-4x64-*) printf '%s\n' "${BERT_LONG[@]}" ;;
     bert-*) printf '%s\n' "${BERT[@]}" ;;
     ode-*) printf '%s\n' "${ODE[@]}" ;;
@@ -322,7 +330,7 @@ if [[ "${1:-}" == "--seeds" ]]; then
 fi
 if [[ "${1:-}" == "--list" ]]; then
   for point in "${ORDER[@]}" ablation-8x256-480 ablation-8x256-480-b582310 "${LONG_POINTS[@]}" \
-      "${CONTROL_POINTS[@]}" peers-8x256-480 peers2-8x256-480 peers-4x64-18800 bert-8x256-480 bert-8x256-1920 bert-4x64-4700 ode-12x256-480; do
+      "${CONTROL_POINTS[@]}" peers-8x256-480 peers2-8x256-480 peers-4x64-18800 bert-8x256-480 bert-8x256-1920 bert-4x64-4700 bert-4x64-18800 ode-12x256-480; do
     while IFS= read -r recipe; do
       echo "$point: ${POINTS[$point]} $recipe (seeds 1234 to $((1233 + ${SEEDS[$point]:-2})))"
     done < <(recipes_of "$point")
