@@ -208,13 +208,18 @@ POINTS[peers-8x256-480]="--size cpu --steps 480"
 # Every peer at the headline point from one code version, two seeds with the budget fractions: the
 # lines above (their seed 1234 made by an earlier pin, peers-8x256-480) plus LiGO's learned depth
 # operator (stacking's schedule and levers, 1% of the steps training the operator) and bert2BERT
-# with FPI and with AKI width growth (the half-width, half-depth model, at the recipe's share).
-PEERS2=(
-  "${PEERS[@]}"
-  "--methods ligo --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --fractions 1.0 0.8 0.6"
-  "--methods bert2bert --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-levers --fractions 1.0 0.8 0.6"
-  "--methods bert2bert --bert2bert-init aki --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-levers --fractions 1.0 0.8 0.6"
-)
+# with FPI and with AKI width growth (the half-width, half-depth model, at the recipe's share). The
+# baseline and the control first, then every method at the full budget (the peers no earlier pin
+# ran first), then the budget fractions.
+LIGO="--methods ligo --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0"
+B2B="--methods bert2bert --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-levers"
+PEERS2=("${PEERS[0]}")
+for line in "$LIGO" "$B2B" "$B2B --bert2bert-init aki" "--recipe" "$STACK_LEVERS" "$GSTACK" "$MSG"; do
+  PEERS2+=("$line --fractions 1.0")
+done
+for line in "$LIGO" "$B2B" "$B2B --bert2bert-init aki" "--recipe" "$STACK_LEVERS" "$GSTACK" "$MSG"; do
+  PEERS2+=("$line --fractions 0.6 0.8")
+done
 POINTS[peers2-8x256-480]="--size cpu --steps 480"
 # The peers at the regime study's longest point (81 tokens per parameter, where the full model is
 # the better one), one seed with the budget fractions: the baseline at its two best rates, the
