@@ -328,7 +328,29 @@ def test_bert2bert_init_names_the_aki_runs_apart():
     assert family("bert2bert-aki") == "bert2bert"
     assert "width_growth" not in plain["bert2bert"]["multilevel"]
     assert made["bert2bert-aki"]["multilevel"] == {**plain["bert2bert"]["multilevel"], "width_growth": "aki"}
+
     assert load_config(made["bert2bert-aki"]).multilevel.width_growth == "aki"
+
+
+@pytest.mark.parametrize("dropout", [None, 0.1])
+def test_dropout_reaches_every_run_and_breaks_the_width_symmetry(dropout):
+    """``--dropout P``: the model of every run, scratch's too, has hidden and attention dropout P;
+    an F-cycle that coalesces width then has something that breaks the copies' symmetry, so the
+    warning a run without it gets (README, "The recipe") is not given."""
+    import warnings
+
+    tool = _tool()
+    argv = ["--size", "tiny", "--steps", "100", "--recipe", "--shape", "width+depth"]
+    args = tool.parse_args(tool.build_parser(), argv + ([] if dropout is None else ["--dropout", str(dropout)]))
+    made = tool.variants(args, tool.base_config(args))
+    assert sorted(made) == ["fcycle2", "scratch"]
+    for cfg in made.values():
+        model = load_config(cfg).model
+        assert (model.hidden_dropout, model.attention_dropout) == (dropout or 0.0, dropout or 0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(made["fcycle2"])
+    assert len([w for w in caught if "symmetry" in str(w.message)]) == (dropout is None)
 
 
 def test_scratch_schedules_are_baseline_candidates():

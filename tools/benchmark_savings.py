@@ -57,6 +57,8 @@ def base_config(args) -> dict:
             "model": size["model"],
             "data": {"seq_length": size["seq"], "cache_dir": os.path.join(ROOT, ".cache", "megatron_multilevel")},
         }
+    if args.dropout is not None:  # every run alike, scratch too (the BERT configs' 0.1 breaks width symmetry)
+        base["model"] = {**base["model"], "hidden_dropout": args.dropout, "attention_dropout": args.dropout}
     if args.data_prefix:
         base.setdefault("data", {}).update(prefix=args.data_prefix, tokenizer_model=args.tokenizer_model)
     steps = args.steps or size["steps"]
@@ -123,8 +125,7 @@ def variants(args, base: dict) -> dict[str, dict]:
                  after_lr_factor=args.after_lr_factor, ode=ode_overrides(args.ode), lr_schedule=args.lr_schedule,
                  interpolation=args.interpolation, gstack_factor=args.gstack_factor,
                  gstack_share=gstack_share(args, base, steps), msg_mask_share=args.msg_mask_share,
-                 ligo_share=args.ligo_share,
-                 bert2bert_init=args.bert2bert_init,
+                 ligo_share=args.ligo_share, bert2bert_init=args.bert2bert_init,
                  methods=[m for m in METHODS if m != "ode2" or m in args.methods], **common)
 
     def methods(**change) -> dict[str, dict]:
@@ -318,8 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bert2bert-init", "--bert2bert_init", choices=["fpi", "aki"], default="fpi",
                    help="bert2bert: its width growth, function-preserving (fpi) or the advanced knowledge "
                         "initialisation, new units from the layer above (aki: runs named bert2bert-aki)")
-    p.add_argument("--paper-variant", "--paper_variant", action="store_true",
-                   help="also the 2-level V-cycle with the paper's E_a (5%%) and depth operators")
+    p.add_argument("--paper-variant", "--paper_variant", action="store_true", help="also the 2-level V-cycle with "
+                   "the paper's E_a (5%%) and depth operators")
     p.add_argument("--scratch-lr", "--scratch_lr", type=float, nargs="*", default=None,
                    help="tune the baseline: one scratch run per peak learning rate (the best is the baseline)")
     p.add_argument("--scratch-decay-fraction", "--scratch_decay_fraction", type=float, nargs="+", default=[1.0],
@@ -341,11 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "every run already there made by the same code); default: --out")
     p.add_argument("--report-only", "--report_only", action="store_true",
                    help="run nothing: remake the report from the kept results of the current code version")
-    p.add_argument("--recipe", action="store_true",
-                   help="the recipe's settings (README, 'The recipe') as defaults, and "
-                        "fcycle2 as the method; flags given beside it override them")
-    p.add_argument("--tag", default="", help="appended to the name of every method but scratch (e.g. -ode-ea0.2): "
-                                             "variants of one method can then share --results")
+    p.add_argument("--recipe", action="store_true", help="the recipe's settings (README, 'The recipe') as defaults, "
+                   "and fcycle2 as the method; flags given beside it override them")
+    p.add_argument("--tag", default="", help="appended to every method's name but scratch's: variants share --results")
+    p.add_argument("--dropout", type=float, default=None, help="model.hidden_dropout and attention_dropout, every run")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "savings"), help="run directories and the report")
     return p
 
