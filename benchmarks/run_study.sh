@@ -309,10 +309,26 @@ for line in "${ODE_METHODS[@]}"; do ODE+=("once: $line $FRACTIONS"); done
 for line in "${ODE_METHODS[@]}"; do ODE+=("later: $line --fractions 1.0"); done
 POINTS[ode-12x256-480]="--size ode-paper --steps 480"
 POINTS[bert-8x256-480]="--size cpu-bert --steps 480"
+# The BERT configs' dropout (0.1, hidden and attention) at the 480-step point, one seed, its own pin:
+# does it let width coalescing pay (the copies of a width-grown unit no longer receive identical
+# updates)? The baseline at its two rates and the control with the same dropout, then the paper's
+# 2-level V-cycle (width and depth), the recipe (depth only) and the recipe coalescing width too,
+# at the full budget, then the fractions.
+BERT_DROPOUT=(
+  "--recipe --methods coarse --scratch-lr 0.0005 0.001 --fractions 1.0"
+  "--methods vcycle2 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper --fractions 1.0"
+  "--recipe --fractions 1.0"
+  "--recipe --shape width+depth --tag=-width+depth --fractions 1.0"
+  "--methods vcycle2 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper --fractions 0.6 0.8"
+  "--recipe --fractions 0.6 0.8"
+)
+POINTS[bert-dropout-8x256-480]="--size cpu-bert --steps 480 --dropout 0.1"
+SEEDS[bert-dropout-8x256-480]=1
 POINTS[bert-8x256-1920]="--size cpu-bert --steps 1920"
 
 recipes_of() {  # the recipe lines of a point
   case "$1" in
+    bert-dropout-*) printf '%s\n' "${BERT_DROPOUT[@]}" ;;
     bert-4x64-18800) printf '%s\n' "${BERT_LONGER[@]}" ;;
     bert-4x64-*) printf '%s\n' "${BERT_LONG[@]}" ;;
     bert-*) printf '%s\n' "${BERT[@]}" ;;
@@ -335,7 +351,7 @@ if [[ "${1:-}" == "--seeds" ]]; then
 fi
 if [[ "${1:-}" == "--list" ]]; then
   for point in "${ORDER[@]}" ablation-8x256-480 ablation-8x256-480-b582310 "${LONG_POINTS[@]}" \
-      "${CONTROL_POINTS[@]}" peers-8x256-480 peers2-8x256-480 peers-4x64-18800 bert-8x256-480 bert-8x256-1920 bert-4x64-4700 bert-4x64-18800 ode-12x256-480; do
+      "${CONTROL_POINTS[@]}" peers-8x256-480 peers2-8x256-480 peers-4x64-18800 bert-8x256-480 bert-8x256-1920 bert-4x64-4700 bert-4x64-18800 bert-dropout-8x256-480 ode-12x256-480; do
     while IFS= read -r recipe; do
       echo "$point: ${POINTS[$point]} $recipe (seeds 1234 to $((1233 + ${SEEDS[$point]:-2})))"
     done < <(recipes_of "$point")
