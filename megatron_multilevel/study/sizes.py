@@ -23,6 +23,11 @@ SIZES = {
     "cpu-8x64": dict(model={"kind": "gpt", "num_layers": 8, "hidden_size": 64, "num_attention_heads": 4,
                             "vocab_size": 512, "max_sequence_length": 64},
                      seq=64, batch=16, steps=8500, fine_lr=4e-3),
+    # The regime study's second size at 80 tokens per parameter (9,400 steps, 1.1 epochs): deeper and
+    # narrower than 4 x 64, half its parameters (120,128), the same heads (4, of width 8) and rate.
+    "cpu-8x32": dict(model={"kind": "gpt", "num_layers": 8, "hidden_size": 32, "num_attention_heads": 4,
+                            "vocab_size": 512, "max_sequence_length": 64},
+                     seq=64, batch=16, steps=9400, fine_lr=4e-3),
     # The ODE paper's model (Lauga et al.: GPT decoder, 12 blocks, width 256, 8 heads) and optimizer
     # (SGD; with its momentum, as configs/gpt_ode_alternating.json), at the CPU data budget.
     "ode-paper": dict(model={"kind": "gpt", "num_layers": 12, "hidden_size": 256, "num_attention_heads": 8,
