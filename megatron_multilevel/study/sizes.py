@@ -48,7 +48,7 @@ SIZES = {
                         "vocab_size": 512, "max_sequence_length": 32},
                  seq=32, batch=8, steps=12, fine_lr=2e-3),
     "gpt-base": dict(config="configs/gpt_base_scratch.json", steps=20000, fine_lr=6e-4),
-    "bert-base": dict(config="configs/bert_base.json", steps=60000, fine_lr=1e-4),
+    "bert-base": dict(config="configs/bert_base_scratch.json", steps=60000, fine_lr=1e-4),
 }
 
 
