@@ -176,7 +176,8 @@ POINTS[long-4x64-18800]="--size cpu-4x64 --steps 18800"  # 81.3 tokens per param
 # tokens per parameter, 1.1 epochs; its own pin). The baseline at three rates and the control first
 # (they decide whether the point can show anything), then the two schedules that paid on 4 x 64 at
 # 81 tokens per parameter (the F-cycle with a 10% first visit, one growth with the levers at 20%) at
-# the full budget, then their fractions.
+# the full budget, then their fractions. Named apart (long2-) from the regime study's points, whose
+# report takes one pin for all of them.
 LONG_8X32=(
   "--recipe --methods coarse --scratch-lr 0.002 0.004 0.008 --fractions 1.0"
   "--recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 1.0"
@@ -184,8 +185,8 @@ LONG_8X32=(
   "--recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 0.8 0.6"
   "--methods stacking --depth-scaling identity --coarse-share 0.2 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-share0.2 --fractions 0.8 0.6"
 )
-POINTS[long-8x32-9400]="--size cpu-8x32 --steps 9400"
-LONG_POINTS=(long-4x64-4700 long-8x64-8600 long-4x64-18800 long-8x32-9400)
+POINTS[long2-8x32-9400]="--size cpu-8x32 --steps 9400"
+LONG_POINTS=(long-4x64-4700 long-8x64-8600 long-4x64-18800 long2-8x32-9400)
 
 # The scale study's points again with the control it lacked: training from scratch and the recipe's
 # coarse model alone, on the same budget, two seeds (pinned as the regime study: one code version
@@ -352,7 +353,7 @@ recipes_of() {  # the recipe lines of a point
     ablation-8x256-480-b582310) printf '%s\n' "${ABLATION_B582310[@]}" ;;
     ablation-*) printf '%s\n' "${ABLATION[@]}" ;;
     long-4x64-18800) printf '%s\n' "${LONG_CONTROLS[@]}" ;;
-    long-8x32-9400) printf '%s\n' "${LONG_8X32[@]}" ;;
+    long2-8x32-9400) printf '%s\n' "${LONG_8X32[@]}" ;;
     long-*) printf '%s\n' "${LONG[@]}" ;;
     ctl-*) printf '%s\n' "${CONTROLS[@]}" ;;
     *) printf '%s\n' "${RECIPES[@]}" ;;
