@@ -649,7 +649,7 @@ def test_study_rows_and_their_table(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_phase_leads_against_scratch_at_equal_flops(tmp_path):
+def test_phase_leads_against_scratch_at_equal_flops(tmp_path, capsys, monkeypatch):
     """A run's lead over scratch at each phase end, by hand on a made-up piecewise-linear scratch
     curve; the study report's table of them, from run files (full budget only, same seed, the
     point's code version)."""
@@ -699,6 +699,18 @@ def test_phase_leads_against_scratch_at_equal_flops(tmp_path):
     assert leads[1]["lead"] == pytest.approx([0.3, 0.1])  # scratch at 3.5 and 2.0 (+0.1 for the median)
     assert ("| cpu-4x128-960 | fcycle2 | 2 | 1: 30, 0: 10, 0: 10 | +0.600, +0.450, +0.200 |"
             in report.leads_table(leads))
+    # --point: one point's rows and leads, any point, by its own code version
+    results = {**_study_results("c" * 40, {1: (2.0, (0.3, 0.35, "interpolated")), 2: (2.2, (0.1, 0.15, "interpolated"))}),
+               "version": "v1"}
+    (tmp_path / "cpu-4x128-960" / "results.json").write_text(json.dumps(results))
+    monkeypatch.setattr(report, "parameter_counts", lambda points: {"4x128": 1_000_000})
+    assert report.main(["--benchmarks", str(tmp_path), "--point", "cpu-4x128-960"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"cpu-4x128-960, made by {'c' * 40}")
+    assert "| cpu-4x128-960 | 1.00M | 0.98M | 0.98 | 2 | scratch: 2.1000 (2.0000 to 2.2000) | fcycle2 | 2.0000 |" in out
+    assert "| cpu-4x128-960 | fcycle2 | 2 | 1: 30, 0: 10, 0: 10 | +0.600, +0.450, +0.200 |" in out
+    with pytest.raises(SystemExit, match="no .*nope-4x128-960/results.json"):
+        report.main(["--benchmarks", str(tmp_path), "--point", "nope-4x128-960"])
 
 
 def test_savings_are_against_the_best_tuned_scratch():

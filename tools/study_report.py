@@ -4,6 +4,7 @@ against the budget per method.
     python tools/study_report.py                  # the scale study: benchmarks/cpu-*, writes benchmarks/study.*
     python tools/study_report.py --study regime   # the regime study: benchmarks/long-*, writes benchmarks/regime.*
     python tools/study_report.py --study controls # the scale study's controls: benchmarks/ctl-*, controls.*
+    python tools/study_report.py --point bert-4x64-4700   # one point's rows and where its lead is made
 
 A point of the scale study is a directory ``cpu-<layers>x<hidden>-<steps>`` of ``benchmarks/``
 (``run_study.sh --list``), one of the regime study ``long-<layers>x<hidden>-<steps>``, one of the
@@ -165,6 +166,24 @@ def leads_table(leads: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def print_point(benchmarks: str, name: str) -> int:
+    """The study table's rows and the lead table of one point, from its ``results.json`` (one code
+    version by construction); nothing written."""
+    from megatron_multilevel.study.savings import study_rows
+
+    match = re.match(r"^.+-(\d+)x(\d+)-(\d+)$", name)
+    path = os.path.join(benchmarks, name, "results.json")
+    if not match or not os.path.isfile(path):
+        raise SystemExit(f"study_report: --point {name}: no {path} (a point is <name>-<layers>x<hidden>-<steps>)")
+    with open(path) as f:
+        points = {name: {**json.load(f), "steps": int(match.group(3))}}
+    rows = study_rows(points, parameter_counts(points))
+    print(f"{name}, made by {', '.join(points[name]['commits'])}\n\n" + table(rows) + "\nWhere the lead is made "
+          "(nats ahead of scratch at equal FLOPs at each phase's end, level 0 the full model):\n\n"
+          + leads_table(read_leads(benchmarks, rows, points)))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--benchmarks", default=os.path.join(ROOT, "benchmarks"))
@@ -172,7 +191,11 @@ def main(argv=None) -> int:
                    help="scale: the cpu-* points (study.*); regime: the long-* points (regime.*); "
                         "controls: the ctl-* points (controls.*)")
     p.add_argument("--out", default=None, help="where the table, the JSON and the plot go (default: --benchmarks)")
+    p.add_argument("--point", default=None, help="print one point's rows and where its lead is made (any point "
+                   "named <name>-<layers>x<hidden>-<steps>, by its own code version: a BERT point, a peers point)")
     args = p.parse_args(argv)
+    if args.point:
+        return print_point(args.benchmarks, args.point)
     out = args.out or args.benchmarks
     pattern, stem = STUDIES[args.study]
     commit = study_commit(args.benchmarks, args.study)
