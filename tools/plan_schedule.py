@@ -7,7 +7,8 @@
     python tools/plan_schedule.py --hold-out long-4x64-4700 --params 236928 --tokens 4.8e6  # predict before running
 
 Reads the scale study (``benchmarks/study.json``, with its controls from ``benchmarks/controls.json``)
-and the regime study (``benchmarks/regime.json``), all made by ``tools/study_report.py``. The law and the advice are
+and the regime study (``benchmarks/regime.json``, its second pin's points ``regime2.json``), all made by
+``tools/study_report.py``. The law and the advice are
 ``megatron_multilevel.study.planner``'s (docs/benchmarks.md, "The planner"): the smaller model alone
 where the study's control found it sufficient at the budget, training from scratch where the saving's
 interval does not lie above zero, else the multilevel schedule of the nearest measured point,
@@ -21,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-STUDIES = {"scale": "study.json", "regime": "regime.json"}
+STUDIES = {"scale": "study.json", "regime": "regime.json", "regime2": "regime2.json"}
 
 
 def read_points(benchmarks: str) -> list:

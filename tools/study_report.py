@@ -3,6 +3,7 @@ against the budget per method.
 
     python tools/study_report.py                  # the scale study: benchmarks/cpu-*, writes benchmarks/study.*
     python tools/study_report.py --study regime   # the regime study: benchmarks/long-*, writes benchmarks/regime.*
+    python tools/study_report.py --study regime2  # its second pin's points: benchmarks/long2-*, regime2.*
     python tools/study_report.py --study controls # the scale study's controls: benchmarks/ctl-*, controls.*
     python tools/study_report.py --point bert-4x64-4700   # one point's rows and where its lead is made
 
@@ -28,6 +29,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 # study -> (its points' directories, what its files are called)
 STUDIES = {"scale": (re.compile(r"^cpu-(\d+)x(\d+)-(\d+)$"), "study"),
            "regime": (re.compile(r"^long-(\d+)x(\d+)-(\d+)$"), "regime"),
+           # the regime study's second size at 80 tokens per parameter, made by a later pin
+           "regime2": (re.compile(r"^long2-(\d+)x(\d+)-(\d+)$"), "regime2"),
            # the scale study's points again, with the smaller-model control it lacked
            "controls": (re.compile(r"^ctl-(\d+)x(\d+)-(\d+)$"), "controls")}
 
@@ -188,8 +191,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--benchmarks", default=os.path.join(ROOT, "benchmarks"))
     p.add_argument("--study", choices=sorted(STUDIES), default="scale",
-                   help="scale: the cpu-* points (study.*); regime: the long-* points (regime.*); "
-                        "controls: the ctl-* points (controls.*)")
+                   help="scale: the cpu-* points (study.*); regime: the long-* points (regime.*); regime2: the "
+                        "long2-* points (regime2.*); controls: the ctl-* points (controls.*)")
     p.add_argument("--out", default=None, help="where the table, the JSON and the plot go (default: --benchmarks)")
     p.add_argument("--point", default=None, help="print one point's rows and where its lead is made (any point "
                    "named <name>-<layers>x<hidden>-<steps>, by its own code version: a BERT point, a peers point)")
@@ -226,8 +229,13 @@ def main(argv=None) -> int:
         plot = plot_scale(rows, out)
     elif args.study == "controls":  # no saving to plot: the table says where the smaller model suffices
         plot = "no plot"
-    else:  # the regime's points beside the scale study's, each study with its own commit
-        studies = {f"regime study ({commit[:7]})": rows}
+    else:  # the regime's points beside the scale study's (and the other regime pin's), each with its commit
+        studies = {f"{args.study} study ({commit[:7]})": rows}
+        other = os.path.join(args.benchmarks, ("regime2" if args.study == "regime" else "regime") + ".json")
+        if os.path.isfile(other):
+            with open(other) as f:
+                kept = json.load(f)
+            studies[f"{os.path.basename(other)[:-5]} study ({kept['commit'][:7]})"] = kept["points"]
         scale = os.path.join(args.benchmarks, "study.json")
         if os.path.isfile(scale):
             with open(scale) as f:
