@@ -173,13 +173,15 @@ LONG_CONTROLS=(
 )
 POINTS[long-4x64-18800]="--size cpu-4x64 --steps 18800"  # 81.3 tokens per parameter (2.3 epochs)
 # The second size at 80 tokens per parameter: GPT 8 x 32 (120,128 parameters), 9,400 steps (80.1
-# tokens per parameter, 1.1 epochs; its own pin). The baseline at three rates and the control first
-# (they decide whether the point can show anything), then the two schedules that paid on 4 x 64 at
+# tokens per parameter, 1.1 epochs; its own pin). The baseline at the size's rate and the control
+# first, then the baseline's other two rates (together they decide whether the point can show
+# anything), then the two schedules that paid on 4 x 64 at
 # 81 tokens per parameter (the F-cycle with a 10% first visit, one growth with the levers at 20%) at
 # the full budget, then their fractions. Named apart (long2-) from the regime study's points, whose
 # report takes one pin for all of them.
 LONG_8X32=(
-  "--recipe --methods coarse --scratch-lr 0.002 0.004 0.008 --fractions 1.0"
+  "--recipe --methods coarse --fractions 1.0"
+  "--recipe --methods coarse --scratch-lr 0.002 0.008 --fractions 1.0"
   "--recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 1.0"
   "--methods stacking --depth-scaling identity --coarse-share 0.2 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-share0.2 --fractions 1.0"
   "--recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 0.8 0.6"
