@@ -150,13 +150,15 @@ POINTS[long-8x64-8600]="--size cpu-8x64 --steps 8600"   # 436,864 parameters, 20
 # share first, then the controls' other rates, then every seed and fraction. The recipe's 80%
 # share (about two thirds of the FLOPs at the coarse level, both visits) ends 0.038 above scratch
 # here: shorter first visits next, for the F-cycle and for one growth with the same levers.
+# one growth with the recipe's levers after a 20% first visit (what paid at 81 tokens per parameter)
+STACK_SHARE02="--methods stacking --depth-scaling identity --coarse-share 0.2 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-share0.2"
 LONG_CONTROLS=(
   "once: --recipe --methods coarse --scratch-lr 0.002 0.004 --fractions 1.0"
   "once: --recipe --coarse-share 0.8 0.2 0.1 --fractions 1.0"
-  "once: --methods stacking --depth-scaling identity --coarse-share 0.2 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-share0.2 --fractions 1.0"
+  "once: $STACK_SHARE02 --fractions 1.0"
   # shares of 0.2 and 0.1 end under the best scratch at the full budget (stacking 1.4455, the
   # F-cycle 1.4501 and 1.4443, against 1.4612): the budget fractions of the equal-quality measure
-  "once: --methods stacking --depth-scaling identity --coarse-share 0.2 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-share0.2 --fractions 0.8 0.6"
+  "once: $STACK_SHARE02 --fractions 0.8 0.6"
   "once: --recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 0.8 0.6"
   "once: --recipe --coarse-share 0.2 --tag=-coarse0.2 --fractions 0.8 0.6"
   "once: --recipe --coarse-share 0.8 0.5 0.65 --fractions 1.0"
@@ -169,7 +171,7 @@ LONG_CONTROLS=(
   # seed: the first seed's runs are there already, a run directory per name, so these add the rest
   "--recipe --methods coarse --fractions 1.0"
   "--recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 1.0 0.8 0.6"
-  "--methods stacking --depth-scaling identity --coarse-share 0.2 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-share0.2 --fractions 1.0 0.8 0.6"
+  "$STACK_SHARE02 --fractions 1.0 0.8 0.6"
 )
 POINTS[long-4x64-18800]="--size cpu-4x64 --steps 18800"  # 81.3 tokens per parameter (2.3 epochs)
 # The second size at 80 tokens per parameter: GPT 8 x 32 (120,128 parameters), 9,400 steps (80.1
@@ -183,9 +185,9 @@ LONG_8X32=(
   "--recipe --methods coarse --fractions 1.0"
   "--recipe --methods coarse --scratch-lr 0.002 0.008 --fractions 1.0"
   "--recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 1.0"
-  "--methods stacking --depth-scaling identity --coarse-share 0.2 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-share0.2 --fractions 1.0"
+  "$STACK_SHARE02 --fractions 1.0"
   "--recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 0.8 0.6"
-  "--methods stacking --depth-scaling identity --coarse-share 0.2 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-share0.2 --fractions 0.8 0.6"
+  "$STACK_SHARE02 --fractions 0.8 0.6"
 )
 POINTS[long2-8x32-9400]="--size cpu-8x32 --steps 9400"
 LONG_POINTS=(long-4x64-4700 long-8x64-8600 long-4x64-18800 long2-8x32-9400)
@@ -229,13 +231,10 @@ POINTS[peers-8x256-480]="--size cpu --steps 480"
 # ran first), then the budget fractions.
 LIGO="--methods ligo --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0"
 B2B="--methods bert2bert --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-levers"
+PEERS2_METHODS=("$LIGO" "$B2B" "$B2B --bert2bert-init aki" "--recipe" "$STACK_LEVERS" "$GSTACK" "$MSG")
 PEERS2=("${PEERS[0]}")
-for line in "$LIGO" "$B2B" "$B2B --bert2bert-init aki" "--recipe" "$STACK_LEVERS" "$GSTACK" "$MSG"; do
-  PEERS2+=("$line --fractions 1.0")
-done
-for line in "$LIGO" "$B2B" "$B2B --bert2bert-init aki" "--recipe" "$STACK_LEVERS" "$GSTACK" "$MSG"; do
-  PEERS2+=("$line --fractions 0.6 0.8")
-done
+for line in "${PEERS2_METHODS[@]}"; do PEERS2+=("$line --fractions 1.0"); done
+for line in "${PEERS2_METHODS[@]}"; do PEERS2+=("$line --fractions 0.6 0.8"); done
 POINTS[peers2-8x256-480]="--size cpu --steps 480"
 # The peers at the regime study's longest point (81 tokens per parameter, where the full model is
 # the better one), one seed with the budget fractions: the baseline at its two best rates, the
@@ -261,11 +260,13 @@ SEEDS[peers-4x64-18800]=1
 # depth, E_a 5%, alpha 0.5), the paper's 3-level structure and stacking as published, at the budget
 # fractions of the equal-quality measure (the methods that paid at 480 steps first:
 # at 1,920 a run takes about half an hour on two cores).
+# the paper's 2-level V-cycle (width and depth, E_a 5%, alpha 0.5: its BERT-Base schedule)
+VCYCLE2_PAPER="--methods vcycle2 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper"
 BERT=(
   "--recipe --methods coarse --scratch-lr 0.0005 0.001 0.002 --fractions 1.0"
   "--recipe $FRACTIONS"
   "$STACK_LEVERS $FRACTIONS"
-  "--methods vcycle2 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper $FRACTIONS"
+  "$VCYCLE2_PAPER $FRACTIONS"
   "--methods vcycle3 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper $FRACTIONS"
   "--methods stacking --depth-scaling ode $FRACTIONS"
 )
@@ -281,7 +282,7 @@ BERT_LONG_METHODS=(
   "--recipe --coarse-share 0.1 --tag=-coarse0.1"
   "--recipe"
   "$STACK_LEVERS"
-  "--methods vcycle2 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper"
+  "$VCYCLE2_PAPER"
 )
 BERT_LONG=("once: --recipe --methods coarse --scratch-lr 0.001 0.002 0.004 0.008 --fractions 1.0")
 for line in "${BERT_LONG_METHODS[@]}"; do BERT_LONG+=("once: $line --fractions 1.0"); done
@@ -332,10 +333,10 @@ POINTS[bert-8x256-480]="--size cpu-bert --steps 480"
 # at the full budget, then the fractions.
 BERT_DROPOUT=(
   "--recipe --methods coarse --scratch-lr 0.0005 0.001 --fractions 1.0"
-  "--methods vcycle2 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper --fractions 1.0"
+  "$VCYCLE2_PAPER --fractions 1.0"
   "--recipe --fractions 1.0"
   "--recipe --shape width+depth --tag=-width+depth --fractions 1.0"
-  "--methods vcycle2 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper --fractions 0.6 0.8"
+  "$VCYCLE2_PAPER --fractions 0.6 0.8"
   "--recipe --fractions 0.6 0.8"
 )
 POINTS[bert-dropout-8x256-480]="--size cpu-bert --steps 480 --dropout 0.1"
