@@ -254,14 +254,15 @@ PEERS_LONG=(
 POINTS[peers-4x64-18800]="--size cpu-4x64 --steps 18800"
 SEEDS[peers-4x64-18800]=1
 
+# the paper's 2-level V-cycle (width and depth, E_a 5%, alpha 0.5: its BERT-Base schedule)
+VCYCLE2_PAPER="--methods vcycle2 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper"
+
 # The BERT study (the paper's headline model; docs/benchmarks.md, "BERT"): BERT of the
 # headline GPT's shape, masked-language modelling, at two budgets, two seeds. The baseline tuned,
 # the control, then the recipe, stacking with its levers, the paper's 2-level V-cycle (width and
 # depth, E_a 5%, alpha 0.5), the paper's 3-level structure and stacking as published, at the budget
 # fractions of the equal-quality measure (the methods that paid at 480 steps first:
 # at 1,920 a run takes about half an hour on two cores).
-# the paper's 2-level V-cycle (width and depth, E_a 5%, alpha 0.5: its BERT-Base schedule)
-VCYCLE2_PAPER="--methods vcycle2 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper"
 BERT=(
   "--recipe --methods coarse --scratch-lr 0.0005 0.001 0.002 --fractions 1.0"
   "--recipe $FRACTIONS"
