@@ -331,7 +331,6 @@ def test_bert2bert_init_names_the_aki_runs_apart():
     assert family("bert2bert-aki") == "bert2bert"
     assert "width_growth" not in plain["bert2bert"]["multilevel"]
     assert made["bert2bert-aki"]["multilevel"] == {**plain["bert2bert"]["multilevel"], "width_growth": "aki"}
-
     assert load_config(made["bert2bert-aki"]).multilevel.width_growth == "aki"
 
 
