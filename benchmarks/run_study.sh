@@ -236,23 +236,20 @@ PEERS2=("${PEERS[0]}")
 for line in "${PEERS2_METHODS[@]}"; do PEERS2+=("$line --fractions 1.0"); done
 for line in "${PEERS2_METHODS[@]}"; do PEERS2+=("$line --fractions 0.6 0.8"); done
 POINTS[peers2-8x256-480]="--size cpu --steps 480"
-# The peers at the regime study's longest point (81 tokens per parameter, where the full model is
-# the better one), one seed with the budget fractions: the baseline at its two best rates, the
-# control, the F-cycle with the share that paid there (0.1), stacking with the levers, G_stack as
-# published and with the levers, MSG, bert2BERT (FPI width growth and stacking), LiGO's learned
-# depth operator on stacking with the levers; all with a 10% first phase at the small model.
-PEERS_LONG=(
-  "--recipe --methods coarse --scratch-lr 0.002 0.004 --fractions 1.0"
-  "--recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 1.0 0.8 0.6"
-  "${STACK_LEVERS/0.8/0.1} --fractions 1.0 0.8 0.6"
-  "--methods gstack --gstack-factor 4 --gstack-share 0.1 --fractions 1.0 0.8 0.6"
-  "--methods gstack --gstack-factor 4 --gstack-share 0.1 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-levers --fractions 1.0 0.8 0.6"
-  "${MSG/0.8/0.1} --fractions 1.0 0.8 0.6"
-  "--methods bert2bert --coarse-share 0.1 --optimizer-state reset --lr-schedule restart --fractions 1.0 0.8 0.6"
-  "--methods ligo --coarse-share 0.1 --optimizer-state map --lr-schedule continue --after-warmup 0 --fractions 1.0 0.8 0.6"
+# The peers at the regime study's longest budget (80 tokens per parameter, where the full model is
+# the better one), one seed with the budget fractions, at the second size's point (GPT 8 x 32, 9,400
+# steps: a run a third as long as 4 x 64's at 81), so that its table holds them beside the tuned
+# baseline, the control, the F-cycle and stacking with the levers: G_stack as published and with
+# the levers, MSG and LiGO's learned depth operator with the levers, bert2BERT as published (FPI
+# width growth and stacking, AdamW and the schedule restarted); each with a 10% first phase at its
+# small model (G_stack's published share); the full budget first.
+LONG_8X32+=(
+  "once: $GSTACK --fractions 1.0"
+  "once: $GSTACK --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-levers --fractions 1.0"
+  "once: ${MSG/0.8/0.1} --fractions 1.0"
+  "once: --methods bert2bert --coarse-share 0.1 --optimizer-state reset --lr-schedule restart --fractions 1.0"
+  "once: ${LIGO/0.8/0.1} --fractions 1.0"
 )
-POINTS[peers-4x64-18800]="--size cpu-4x64 --steps 18800"
-SEEDS[peers-4x64-18800]=1
 
 # the paper's 2-level V-cycle (width and depth, E_a 5%, alpha 0.5: its BERT-Base schedule)
 VCYCLE2_PAPER="--methods vcycle2 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper"
@@ -351,7 +348,6 @@ recipes_of() {  # the recipe lines of a point
     bert-4x64-*) printf '%s\n' "${BERT_LONG[@]}" ;;
     bert-*) printf '%s\n' "${BERT[@]}" ;;
     ode-*) printf '%s\n' "${ODE[@]}" ;;
-    peers-4x64-18800) printf '%s\n' "${PEERS_LONG[@]}" ;;
     peers2-*) printf '%s\n' "${PEERS2[@]}" ;;
     peers-*) printf '%s\n' "${PEERS[@]}" ;;
     ablation-8x256-480-b582310) printf '%s\n' "${ABLATION_B582310[@]}" ;;
@@ -370,7 +366,7 @@ if [[ "${1:-}" == "--seeds" ]]; then
 fi
 if [[ "${1:-}" == "--list" ]]; then
   for point in "${ORDER[@]}" ablation-8x256-480 ablation-8x256-480-b582310 "${LONG_POINTS[@]}" \
-      "${CONTROL_POINTS[@]}" peers-8x256-480 peers2-8x256-480 peers-4x64-18800 bert-8x256-480 bert-8x256-1920 bert-4x64-4700 bert-4x64-18800 bert-dropout-8x256-480 ode-12x256-480; do
+      "${CONTROL_POINTS[@]}" peers-8x256-480 peers2-8x256-480 bert-8x256-480 bert-8x256-1920 bert-4x64-4700 bert-4x64-18800 bert-dropout-8x256-480 ode-12x256-480; do
     while IFS= read -r recipe; do
       echo "$point: ${POINTS[$point]} $recipe (seeds 1234 to $((1233 + ${SEEDS[$point]:-2})))"
     done < <(recipes_of "$point")
