@@ -133,6 +133,14 @@ def test_the_tool_plans_a_config_and_writes_its_schedule(tmp_path, capsys):
     assert first.steps in (round(0.65 * 199), round(0.65 * 200))  # the nearest point's share of S
     assert (first.lr.peak, first.lr.warmup_steps) == (1e-3, 8)  # the run's start, as shipped
     assert planned.training == cfg.training and planned.model == cfg.model
+    # where the law advises scratch, --write still gives the schedule to train multilevel with, and says so
+    _study(tmp_path, [_row("q1", 1e5, 0.03, -0.01), _row("q2", 1e5, 0.3, 0.0, share), _row("q3", 1e5, 10.0, 0.01),
+                      _row("q4", 1e5, 100.0, -0.02)])
+    out.unlink()
+    assert tool.main(["--config", str(config), "--benchmarks", str(tmp_path), "--write", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "advice: train the full model from scratch" in said and "the advice above is 'scratch'" in said
+    assert load_config(json.loads(out.read_text())).multilevel.levels[1].visits[0].steps in (round(0.65 * 199), 130)
     with pytest.raises(SystemExit):  # --hold-out of a point that is not there
         tool.main(["--params", "1e5", "--tokens", "1e6", "--benchmarks", str(tmp_path), "--hold-out", "nope"])
 

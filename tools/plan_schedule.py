@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=float, help="training tokens of the run")
     p.add_argument("--config", help="a GPT config: its model and budget (train_steps x batch x sequence; a "
                                     "multilevel config's compute in tokens of the full model)")
-    p.add_argument("--write", help="with --config: write the config with the planned multilevel block here")
+    p.add_argument("--write", help="with --config: write the config with the planned multilevel block here (the "
+                                   "nearest measured point's schedule, also where the advice is not multilevel)")
     p.add_argument("--data-parallel", "--data_parallel", type=int, default=1,
                    help="with --config and no train_batch_size: the data-parallel size of the global batch")
     p.add_argument("--validate", action="store_true", help="predict each measured point from the others")
@@ -169,14 +170,13 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(result, indent=1) if args.json else describe(result))
-    if args.write:
-        if result["advice"] != "multilevel":
-            print(f"not written: the advice is {result['advice']!r}, not a multilevel schedule")
-            return 0
+    if args.write:  # the schedule to train multilevel with at this budget, whatever the advice
         with open(args.write, "w") as f:
             json.dump(planned_config(budget, result["schedule"]), f, indent=2)
             f.write("\n")
-        print(f"written: {args.write}")
+        print(f"written: {args.write}" + ("" if result["advice"] == "multilevel" else
+              f" (the multilevel schedule of {result['from_point']}, for a run that trains multilevel "
+              f"anyway: the advice above is {result['advice']!r})"))
     return 0
 
 
