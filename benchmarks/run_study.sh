@@ -242,8 +242,10 @@ POINTS[peers2-8x256-480]="--size cpu --steps 480"
 # baseline, the control, the F-cycle and stacking with the levers: G_stack as published and with
 # the levers, MSG and LiGO's learned depth operator with the levers, bert2BERT as published (FPI
 # width growth and stacking, AdamW and the schedule restarted); each with a 10% first phase at its
-# small model (G_stack's published share); the full budget first.
+# small model (G_stack's published share); the full budget first. Progressive stacking as published
+# (half depth for half the steps, AdamW restarted and re-warmed up) before them.
 LONG_8X32+=(
+  "once: --methods stacking --depth-scaling ode --fractions 1.0"
   "once: $GSTACK --fractions 1.0"
   "once: $GSTACK --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-levers --fractions 1.0"
   "once: ${MSG/0.8/0.1} --fractions 1.0"
