@@ -158,7 +158,7 @@ def test_best_multilevel_and_the_regime_plot(tmp_path):
     assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_scale_studys_controls_are_read_from_their_own_points(tmp_path):
+def test_the_scale_studys_controls_are_read_from_their_own_points(tmp_path, capsys):
     """A control run later at a scale-study point (benchmarks/ctl-*, controls.json) counts for the
     scale point of the same shape and budget: the smaller model is then the advice at that budget."""
     tool = _plan_tool()
@@ -171,14 +171,22 @@ def test_the_scale_studys_controls_are_read_from_their_own_points(tmp_path):
     control = {"point": "ctl-4x64-10000", "shape": "4x64", "steps": 10000, "parameters": 1e5,
                "tokens_per_parameter": 10.0,
                "methods": {"coarse": {"family": "coarse", "equal_quality": {"median": None},
-                                      "smaller_model_suffices": [2, 2]}}}
+                                      "smaller_model_suffices": [1, 2]},
+                           "coarse-lr2": {"family": "coarse", "equal_quality": {"median": None},
+                                          "smaller_model_suffices": [0, 2]}}}
     (tmp_path / "controls.json").write_text(json.dumps({"commit": "b" * 40, "points": [control]}))
     points = tool.read_points(str(tmp_path))
-    assert [p.smaller_model_suffices for p in points] == [None, None, True, None]
+    assert [p.smaller_model_suffices for p in points] == [None, None, True, None]  # one seed of two suffices
+    assert [p.control_seeds for p in points] == [None, None, (1, 2), None]  # its best rate's seeds
     from megatron_multilevel.study.planner import plan
 
     assert plan(points, 1e5, 5e5)["advice"] == "smaller model"  # 5 tokens per parameter, under 10
     assert plan(points, 1e5, 5e6)["advice"] == "multilevel"  # 50: beyond the control
+    capsys.readouterr()
+    assert tool.main(["--params", "1e5", "--tokens", "5e5", "--benchmarks", str(tmp_path)]) == 0
+    said = capsys.readouterr().out
+    assert "advice: train the smaller (half-depth) model alone: at cpu-4x64-10000," in said
+    assert "(in 1 of its 2 seeds)" in said  # how strong the control's verdict is
 
 
 def _plan_tool():

@@ -28,7 +28,7 @@ STUDIES = {"scale": "study.json", "regime": "regime.json", "regime2": "regime2.j
 def read_points(benchmarks: str) -> list:
     """Every point of the committed studies, as the planner reads it."""
     from megatron_multilevel.study.planner import StudyPoint
-    from megatron_multilevel.study.savings import best_multilevel, control_verdict, with_controls
+    from megatron_multilevel.study.savings import best_multilevel, control_seeds, control_verdict, with_controls
 
     def rows_of(name):
         path = os.path.join(benchmarks, name)
@@ -51,7 +51,7 @@ def read_points(benchmarks: str) -> list:
                 tokens_per_parameter=r["tokens_per_parameter"], method=best,
                 saving=None if best is None else r["methods"][best]["equal_quality"]["median"],
                 schedule=None if best is None else r["methods"][best].get("schedule"),
-                smaller_model_suffices=control_verdict(r)))
+                smaller_model_suffices=control_verdict(r), control_seeds=control_seeds(r)))
     if not points:
         raise SystemExit(f"plan_schedule: no study in {benchmarks} ({', '.join(STUDIES.values())}): "
                          "run tools/study_report.py first")
@@ -110,9 +110,11 @@ def describe(result: dict) -> str:
         lines.append("  beyond the measured tokens per parameter: an extrapolation, not a measurement")
     advice = result["advice"]
     if advice == "smaller model":
+        seeds = result.get("control_seeds")
         lines.append(f"advice: train the smaller (half-depth) model alone: at {result['control']}, with as many "
                      "or more tokens per parameter, it reached the best-tuned full model's final loss on the "
-                     "same FLOPs; a multilevel saving there shows only that the full model was not needed yet")
+                     "same FLOPs" + ("" if not seeds else f" (in {seeds[0]} of its {seeds[1]} seeds)")
+                     + "; a multilevel saving there shows only that the full model was not needed yet")
     elif advice == "scratch":
         lines.append("advice: train the full model from scratch: no multilevel schedule is shown to reach its "
                      "loss with fewer FLOPs at this budget (the saving's interval does not lie above zero)")

@@ -36,6 +36,7 @@ class StudyPoint:
     saving: Optional[float]  # its median equal-quality FLOPs saving
     schedule: Optional[dict]  # its shape (schedule_of)
     smaller_model_suffices: Optional[bool]  # the coarse model alone reached scratch's loss (None: not run)
+    control_seeds: Optional[tuple] = None  # in how many of its seeds it did: (reached, ran)
 
 
 def schedule_of(multilevel: dict, steps: int) -> dict:
@@ -135,7 +136,8 @@ def plan(points: Sequence[StudyPoint], parameters: float, tokens: float) -> dict
            "interval": half, "extrapolated": law.extrapolates(tpp), "fit_points": law.points,
            "tokens_per_parameter_range": [math.exp(v) for v in law.log_tpp_range],
            "schedule": nearest.schedule, "from_point": nearest.point,
-           "control": suffices[0].point if suffices else None}
+           "control": suffices[0].point if suffices else None,
+           "control_seeds": suffices[0].control_seeds if suffices else None}
     # a multilevel schedule only where the law's interval lies above zero: elsewhere it is not
     # shown to pay, and the full model from scratch is the safe advice
     advice = "smaller model" if suffices else "multilevel" if mean - half > 0 else "scratch"

@@ -189,8 +189,16 @@ def best_multilevel(row: dict) -> Optional[str]:
 def control_verdict(row: dict) -> Optional[bool]:
     """Whether the smaller model suffices at a study row's point: its coarse model alone reached
     the best scratch's final loss in some seed; None where no control was run there."""
-    controls = [m["smaller_model_suffices"] for m in row["methods"].values() if m.get("smaller_model_suffices")]
-    return any(reached for reached, _ in controls) if controls else None
+    seeds = control_seeds(row)
+    return None if seeds is None else seeds[0] > 0
+
+
+def control_seeds(row: dict) -> Optional[tuple]:
+    """The seeds in which a study row's control (its coarse model alone, at the rate that did best)
+    reached the best scratch's final loss, and the seeds it ran: ``(reached, ran)``; None where no
+    control was run there."""
+    controls = [tuple(m["smaller_model_suffices"]) for m in row["methods"].values() if m.get("smaller_model_suffices")]
+    return max(controls) if controls else None
 
 
 def with_controls(rows: list[dict], control_rows: list[dict]) -> list[dict]:
