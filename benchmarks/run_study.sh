@@ -246,6 +246,11 @@ POINTS[peers2-8x256-480]="--size cpu --steps 480"
 # (half depth for half the steps, AdamW restarted and re-warmed up) before them.
 LONG_8X32+=(
   "once: --methods stacking --depth-scaling ode --fractions 1.0"
+  # stacking as published ended lowest of all at seed 1234 (1.7198, the F-cycle 1.7425): its
+  # fractions and second seed, and the levers at its 50% share (the share apart from the restart)
+  "once: --methods stacking --depth-scaling ode --fractions 0.8 0.6"
+  "later: --methods stacking --depth-scaling ode --fractions 1.0 0.8 0.6"
+  "once: --methods stacking --depth-scaling identity --coarse-share 0.5 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-share0.5 --fractions 1.0"
   "once: $GSTACK --fractions 1.0"
   "once: $GSTACK --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-levers --fractions 1.0"
   "once: ${MSG/0.8/0.1} --fractions 1.0"
