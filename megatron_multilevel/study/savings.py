@@ -194,9 +194,9 @@ def control_verdict(row: dict) -> Optional[bool]:
 
 
 def control_seeds(row: dict) -> Optional[tuple]:
-    """The seeds in which a study row's control (its coarse model alone, at the rate that did best)
-    reached the best scratch's final loss, and the seeds it ran: ``(reached, ran)``; None where no
-    control was run there."""
+    """The seeds in which a study row's control (its coarse model alone, at the rate that reached it
+    most often) reached the best scratch's final loss, and the seeds it ran: ``(reached, ran)``;
+    None where no control was run there."""
     controls = [tuple(m["smaller_model_suffices"]) for m in row["methods"].values() if m.get("smaller_model_suffices")]
     return max(controls) if controls else None
 

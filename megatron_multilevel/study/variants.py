@@ -88,9 +88,9 @@ def _flops_ratios(base: dict, multilevel: dict) -> list[float]:
 
 
 # The recipe (README, "The recipe"), as keyword arguments of :func:`variant_configs`; its method
-# is ``fcycle2``. ``configs/gpt_tiny_cpu.json`` is this at 200 steps, the GPU configs at 100,000
-# with the planner's 10% coarse share and the BERT ones with 50% (tests/test_savings.py holds them to it), and
-# ``tools/benchmark_savings.py --recipe`` runs it.
+# is ``fcycle2``. ``configs/gpt_tiny_cpu.json`` is this at 200 steps, the GPT-Base configs at
+# 100,000 with the planner's 10% coarse share, the BERT ones at 300,000 with 50%
+# (tests/test_savings.py holds them to it), and ``tools/benchmark_savings.py --recipe`` runs it.
 RECIPE = dict(shape="depth", depth_pairing="halves", depth_scaling="identity", coarse_share=0.8, ea=0.1,
               fcycle_revisit=0.5, optimizer_state="map", after_warmup=0, lr_schedule="continue",
               interpolation="correction", alpha=1.0)
