@@ -167,6 +167,7 @@ LONG_CONTROLS=(
   # stacking as published ended at 1.4431 (the F-cycle at 10% 1.4443) and led by ten points on
   # 8 x 32 at 80 tokens per parameter: its fractions
   "once: --methods stacking --depth-scaling ode --fractions 0.8 0.6"
+  "later: --methods stacking --depth-scaling ode --fractions 1.0 0.8 0.6"
   "once: --recipe --methods coarse --coarse-lr-factor 0.5 --tag=-lr0.5 --fractions 1.0"
   "once: --recipe --methods coarse --coarse-lr-factor 2 --tag=-lr2 --fractions 1.0"
   "once: --recipe --fcycle-revisit 0.25 --tag=-revisit0.25 --fractions 1.0"
