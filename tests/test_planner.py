@@ -16,7 +16,8 @@ SCHEDULE = {"cycle": "f", "num_levels": 2, "coarse_share": 0.8, "revisit": 0.5, 
 def point(name, parameters, tpp, saving, *, suffices=None, schedule=SCHEDULE):
     return StudyPoint(point=name, study="made-up", shape="4x64", parameters=parameters, tokens_per_parameter=tpp,
                       method=None if saving is None else "fcycle2", saving=saving,
-                      schedule=None if saving is None else schedule, smaller_model_suffices=suffices)
+                      schedule=None if saving is None else schedule,
+                      control_seeds=None if suffices is None else (int(suffices), 1))
 
 
 def test_the_law_recovers_an_exact_one():

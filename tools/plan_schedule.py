@@ -28,7 +28,7 @@ STUDIES = {"scale": "study.json", "regime": "regime.json", "regime2": "regime2.j
 def read_points(benchmarks: str) -> list:
     """Every point of the committed studies, as the planner reads it."""
     from megatron_multilevel.study.planner import StudyPoint
-    from megatron_multilevel.study.savings import best_multilevel, control_seeds, control_verdict, with_controls
+    from megatron_multilevel.study.savings import best_multilevel, control_seeds, with_controls
 
     def rows_of(name):
         path = os.path.join(benchmarks, name)
@@ -51,7 +51,7 @@ def read_points(benchmarks: str) -> list:
                 tokens_per_parameter=r["tokens_per_parameter"], method=best,
                 saving=None if best is None else r["methods"][best]["equal_quality"]["median"],
                 schedule=None if best is None else r["methods"][best].get("schedule"),
-                smaller_model_suffices=control_verdict(r), control_seeds=control_seeds(r)))
+                control_seeds=control_seeds(r)))
     if not points:
         raise SystemExit(f"plan_schedule: no study in {benchmarks} ({', '.join(STUDIES.values())}): "
                          "run tools/study_report.py first")

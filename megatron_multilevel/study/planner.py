@@ -35,8 +35,13 @@ class StudyPoint:
     method: Optional[str]  # the best multilevel schedule (None: none has an equal-quality saving)
     saving: Optional[float]  # its median equal-quality FLOPs saving
     schedule: Optional[dict]  # its shape (schedule_of)
-    smaller_model_suffices: Optional[bool]  # the coarse model alone reached scratch's loss (None: not run)
-    control_seeds: Optional[tuple] = None  # in how many of its seeds it did: (reached, ran)
+    control_seeds: Optional[tuple]  # the seeds in which the coarse model alone reached scratch's loss,
+    # and the seeds it ran: (reached, ran); None where no control was run
+
+    @property
+    def smaller_model_suffices(self) -> Optional[bool]:
+        """The control's verdict: the coarse model alone reached scratch's loss in some seed."""
+        return None if self.control_seeds is None else self.control_seeds[0] > 0
 
 
 def schedule_of(multilevel: dict, steps: int) -> dict:
