@@ -152,6 +152,8 @@ POINTS[long-8x64-8600]="--size cpu-8x64 --steps 8600"   # 436,864 parameters, 20
 # here: shorter first visits next, for the F-cycle and for one growth with the same levers.
 # one growth with the recipe's levers after a 20% first visit (what paid at 81 tokens per parameter)
 STACK_SHARE02="--methods stacking --depth-scaling identity --coarse-share 0.2 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-share0.2"
+# progressive stacking as published: half depth for half the steps, AdamW restarted and re-warmed up
+STACK_PUBLISHED="--methods stacking --depth-scaling ode"
 LONG_CONTROLS=(
   "once: --recipe --methods coarse --scratch-lr 0.002 0.004 --fractions 1.0"
   "once: --recipe --coarse-share 0.8 0.2 0.1 --fractions 1.0"
@@ -163,11 +165,11 @@ LONG_CONTROLS=(
   "once: --recipe --coarse-share 0.2 --tag=-coarse0.2 --fractions 0.8 0.6"
   "once: --recipe --coarse-share 0.8 0.5 0.65 --fractions 1.0"
   "once: --methods stacking --depth-scaling identity --coarse-share 0.8 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue --fractions 1.0"
-  "once: --methods stacking --depth-scaling ode --fractions 1.0"
+  "once: $STACK_PUBLISHED --fractions 1.0"
   # stacking as published ended at 1.4431 (the F-cycle at 10% 1.4443) and led by ten points on
   # 8 x 32 at 80 tokens per parameter: its fractions
-  "once: --methods stacking --depth-scaling ode --fractions 0.8 0.6"
-  "later: --methods stacking --depth-scaling ode --fractions 1.0 0.8 0.6"
+  "once: $STACK_PUBLISHED --fractions 0.8 0.6"
+  "later: $STACK_PUBLISHED --fractions 1.0 0.8 0.6"
   "once: --recipe --methods coarse --coarse-lr-factor 0.5 --tag=-lr0.5 --fractions 1.0"
   "once: --recipe --methods coarse --coarse-lr-factor 2 --tag=-lr2 --fractions 1.0"
   "once: --recipe --fcycle-revisit 0.25 --tag=-revisit0.25 --fractions 1.0"
@@ -249,12 +251,12 @@ POINTS[peers2-8x256-480]="--size cpu --steps 480"
 # small model (G_stack's published share); the full budget first. Progressive stacking as published
 # (half depth for half the steps, AdamW restarted and re-warmed up) before them.
 LONG_8X32+=(
-  "once: --methods stacking --depth-scaling ode --fractions 1.0"
+  "once: $STACK_PUBLISHED --fractions 1.0"
   # stacking as published ended lowest of all at seed 1234 (1.7198, the F-cycle 1.7425): its
   # fractions and second seed, and the levers at its 50% share (the share apart from the restart)
-  "once: --methods stacking --depth-scaling ode --fractions 0.8 0.6"
-  "later: --methods stacking --depth-scaling ode --fractions 1.0 0.8 0.6"
-  "once: --methods stacking --depth-scaling identity --coarse-share 0.5 --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-map-continue-share0.5 --fractions 1.0"
+  "once: $STACK_PUBLISHED --fractions 0.8 0.6"
+  "later: $STACK_PUBLISHED --fractions 1.0 0.8 0.6"
+  "once: ${STACK_SHARE02//0.2/0.5} --fractions 1.0"
   "once: $GSTACK --fractions 1.0"
   "once: $GSTACK --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-levers --fractions 1.0"
   "once: ${MSG/0.8/0.1} --fractions 1.0"
