@@ -262,6 +262,13 @@ LONG_8X32+=(
   "once: ${MSG/0.8/0.1} --fractions 1.0"
   "once: --methods bert2bert --coarse-share 0.1 --optimizer-state reset --lr-schedule restart --fractions 1.0"
   "once: ${LIGO/0.8/0.1} --fractions 1.0"
+  # published stacking's growth taken apart at its 50% share: the restart with function-preserving
+  # growth (identity), then the half-step copies (ode) with the levers; then the F-cycle with
+  # half-step copies, at the 10% first visit that paid and at stacking's 50%
+  "once: --methods stacking --depth-scaling identity --tag=-identity --fractions 1.0"
+  "once: --methods stacking --depth-scaling ode --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-ode-map-continue --fractions 1.0"
+  "once: --recipe --coarse-share 0.1 --depth-scaling ode --tag=-coarse0.1-ode --fractions 1.0"
+  "once: --recipe --coarse-share 0.5 --depth-scaling ode --tag=-coarse0.5-ode --fractions 1.0"
 )
 
 # the paper's 2-level V-cycle (width and depth, E_a 5%, alpha 0.5: its BERT-Base schedule)
