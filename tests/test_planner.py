@@ -1,5 +1,6 @@
 """The schedule planner: its law against closed forms, its advice, and the tool around it."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -92,12 +93,12 @@ def _study(tmp_path, rows):
     (tmp_path / "regime.json").write_text(json.dumps({"commit": "a" * 40, "points": rows, "leads": []}))
 
 
-def _row(name, parameters, tpp, saving, schedule=SCHEDULE):
+def _row(name, parameters, tpp, saving, schedule=SCHEDULE, stacking=None):
     eq = {"median": saving, "min": saving, "max": saving}
     return {"point": name, "shape": "4x64", "parameters": parameters, "tokens_per_parameter": tpp,
             "methods": {"fcycle2": {"family": "fcycle", "equal_quality": eq, "schedule": schedule,
                                     "smaller_model_suffices": None},
-                        "stacking": {"family": "stacking", "equal_quality": {"median": 0.9}},
+                        "stacking": {"family": "stacking", "equal_quality": {"median": stacking}},
                         "coarse": {"family": "coarse", "equal_quality": {"median": None},
                                    "smaller_model_suffices": [0, 2]}}}
 
@@ -150,13 +151,45 @@ def test_best_multilevel_and_the_regime_plot(tmp_path):
     from megatron_multilevel.study.plotting import plot_regime
     from megatron_multilevel.study.savings import best_multilevel
 
-    row = _row("p1", 1e5, 20.0, 0.25)
+    row = _row("p1", 1e5, 20.0, 0.25, stacking=0.9)
     row["methods"]["fcycle2-coarse0.5"] = {"family": "fcycle", "equal_quality": {"median": 0.3}}
     row["methods"]["ode2"] = {"family": "ode", "equal_quality": {"median": None}}
     assert best_multilevel(row) == "fcycle2-coarse0.5"  # not stacking's 0.9, not the control
     assert best_multilevel({"methods": {"stacking": row["methods"]["stacking"]}}) is None
     path = plot_regime({"made-up": [row, {**_row("p2", 1e5, 40.0, None), "shape": "4x64"}]}, str(tmp_path))
     assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_growth_that_saved_more_than_the_cycles_is_the_advice(tmp_path, capsys):
+    """Where progressive stacking (or a peer) saved more than every cycle at the nearest measured
+    point, it is the advice, unless the smaller model is; --write still gives the cycle's schedule."""
+    from megatron_multilevel.study.savings import best_growth
+
+    row = _row("p1", 1e5, 20.0, 0.1, stacking=0.2)
+    row["methods"]["gstack"] = {"family": "gstack", "equal_quality": {"median": 0.3}}
+    row["methods"]["fcycle2-coarse0.5"] = {"family": "fcycle", "equal_quality": {"median": 0.5}}
+    assert best_growth(row) == "gstack"  # the best growth, not the cycle's 0.5 nor the control
+    assert best_growth({"methods": {"fcycle2": row["methods"]["fcycle2"]}}) is None
+    points = [point("a", 1e6, 0.1, 0.40), point("b", 1e6, 1.0, 0.30), point("d", 1e6, 100.0, 0.10)]
+    ahead = dataclasses.replace(point("c", 1e6, 10.0, 0.20), growth=("stacking", 0.25))
+    result = plan(points + [ahead], 1e6, 5e6)  # 5 tokens per parameter: nearest is c
+    assert result["advice"] == "growth" and result["growth"] == {
+        "point": "c", "method": "stacking", "saving": 0.25, "cycle_method": "fcycle2", "cycle_saving": 0.20}
+    behind = dataclasses.replace(ahead, growth=("stacking", 0.15))
+    assert plan(points + [behind], 1e6, 5e6)["advice"] == "multilevel"
+    assert plan(points + [behind], 1e6, 5e6)["growth"] is None
+    controlled = points + [ahead, point("ctl", 1e6, 20.0, None, suffices=True)]
+    assert plan(controlled, 1e6, 5e6)["advice"] == "smaller model"  # the control decides first
+    tool = _plan_tool()
+    _study(tmp_path, [_row("p1", 1e5, 0.03, 0.4), _row("p2", 1e5, 0.3, 0.3, stacking=0.35), _row("p3", 1e5, 10.0, 0.2),
+                      _row("p4", 1e5, 100.0, 0.1)])
+    out = tmp_path / "planned.json"
+    config = ROOT / "configs" / "gpt_tiny_cpu.json"
+    assert tool.main(["--config", str(config), "--benchmarks", str(tmp_path), "--write", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "advice: growth: progressive stacking as published" in said and "saved 35.0%" in said
+    assert "the advice above is 'growth'" in said
+    assert load_config(json.loads(out.read_text())).multilevel.cycle == "f"
 
 
 def test_the_scale_studys_controls_are_read_from_their_own_points(tmp_path, capsys):

@@ -28,7 +28,7 @@ STUDIES = {"scale": "study.json", "regime": "regime.json", "regime2": "regime2.j
 def read_points(benchmarks: str) -> list:
     """Every point of the committed studies, as the planner reads it."""
     from megatron_multilevel.study.planner import StudyPoint
-    from megatron_multilevel.study.savings import best_multilevel, control_seeds, with_controls
+    from megatron_multilevel.study.savings import best_growth, best_multilevel, control_seeds, with_controls
 
     def rows_of(name):
         path = os.path.join(benchmarks, name)
@@ -45,13 +45,14 @@ def read_points(benchmarks: str) -> list:
         if study == "scale":  # with the controls run later at its points (benchmarks/ctl-*)
             rows = with_controls(rows, rows_of("controls.json") or [])
         for r in rows:
-            best = best_multilevel(r)
+            best, growth = best_multilevel(r), best_growth(r)
             points.append(StudyPoint(
                 point=r["point"], study=study, shape=r["shape"], parameters=r["parameters"],
                 tokens_per_parameter=r["tokens_per_parameter"], method=best,
                 saving=None if best is None else r["methods"][best]["equal_quality"]["median"],
                 schedule=None if best is None else r["methods"][best].get("schedule"),
-                control_seeds=control_seeds(r)))
+                control_seeds=control_seeds(r),
+                growth=None if growth is None else (growth, r["methods"][growth]["equal_quality"]["median"])))
     if not points:
         raise SystemExit(f"plan_schedule: no study in {benchmarks} ({', '.join(STUDIES.values())}): "
                          "run tools/study_report.py first")
@@ -98,6 +99,16 @@ def planned_config(budget: dict, schedule: dict) -> dict:
     return {**budget["raw"], "multilevel": made["multilevel"]}
 
 
+# the growth methods of the studies, as a run of this project makes them (docs/benchmarks.md)
+GROWTHS = {
+    "stacking": "progressive stacking as published (multilevel.cycle \"grow\": the half-depth model for half the "
+                "steps, stacked with depth_scaling \"ode\", optimizer_state \"reset\" and lr_schedule \"restart\": "
+                "`tools/benchmark_savings.py --methods stacking --depth-scaling ode`)",
+    "gstack": "G_stack as published (a quarter-depth model, stacked four times, AdamW and the schedule restarted: "
+              "`tools/benchmark_savings.py --methods gstack`)",
+}
+
+
 def describe(result: dict) -> str:
     s = result["schedule"]
     lo, hi = result["tokens_per_parameter_range"]
@@ -118,11 +129,22 @@ def describe(result: dict) -> str:
     elif advice == "scratch":
         lines.append("advice: train the full model from scratch: no multilevel schedule is shown to reach its "
                      "loss with fewer FLOPs at this budget (the saving's interval does not lie above zero)")
-    else:
-        lines.append(f"advice: {advice}: F-cycle, {s['num_levels']} levels, depth only, coarse share "
-                     f"{s['coarse_share']:.2f} of the steps, E_a {s['ea']:.2f}"
-                     + ("" if s.get("revisit") is None else f", second coarse visit {s['revisit']:.2f} of the first")
-                     + f" (the best schedule of the nearest measured point, {result['from_point']})")
+    cycle = (f"F-cycle, {s['num_levels']} levels, depth only, coarse share {s['coarse_share']:.2f} of the steps, "
+             f"E_a {s['ea']:.2f}" + ("" if s.get("revisit") is None else f", second coarse visit {s['revisit']:.2f} "
+                                     "of the first") + f" (the best schedule of the nearest measured point, "
+             f"{result['from_point']})")
+    growth = result.get("growth")
+    if advice == "multilevel":
+        lines.append(f"advice: multilevel: {cycle}")
+    elif advice == "growth":
+        lines.append(f"advice: growth: {GROWTHS.get(growth['method'], growth['method'])}: at {growth['point']} it "
+                     f"saved {100 * growth['saving']:.1f}% of the FLOPs at equal quality, more than the best "
+                     f"multilevel schedule there ({growth['cycle_method']}, {100 * growth['cycle_saving']:.1f}%); "
+                     f"the law above is the cycles'. The multilevel schedule it beat: {cycle}")
+    if growth is not None and advice == "smaller model":
+        lines.append(f"  (were the full model trained: {GROWTHS.get(growth['method'], growth['method'])} saved "
+                     f"{100 * growth['saving']:.1f}% at {growth['point']}, the best multilevel schedule "
+                     f"{100 * growth['cycle_saving']:.1f}%)")
     return "\n".join(lines)
 
 

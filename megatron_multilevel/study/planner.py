@@ -13,7 +13,9 @@ parameters, as Chinchilla does. Its uncertainty is the usual prediction interval
 error and the leave-one-out errors (:func:`leave_one_out`). Two controls decide before the law
 does: where the coarse model alone reached the best scratch's final loss at a measured point at
 or beyond the budget asked about, the smaller model is the advice; where the interval does not lie
-above zero (the saving is not shown), training the full model from scratch is.
+above zero (the saving is not shown), training the full model from scratch is. After them, the
+nearest measured point decides between the cycles and growth: where a growth method (progressive
+stacking as published, a peer) saved more there than every cycle, it is the advice.
 """
 
 import dataclasses
@@ -37,6 +39,8 @@ class StudyPoint:
     schedule: Optional[dict]  # its shape (schedule_of)
     control_seeds: Optional[tuple]  # the seeds in which the coarse model alone reached scratch's loss,
     # and the seeds it ran: (reached, ran); None where no control was run
+    growth: Optional[tuple] = None  # the best growth method measured there (progressive stacking or
+    # a peer) and its median equal-quality saving: (method, saving); None where none reached scratch
 
     @property
     def smaller_model_suffices(self) -> Optional[bool]:
@@ -124,9 +128,10 @@ def _distance(p: StudyPoint, parameters: float, tokens_per_parameter: float) -> 
 
 def plan(points: Sequence[StudyPoint], parameters: float, tokens: float) -> dict:
     """The advice for a model of ``parameters`` trained on ``tokens``: ``advice`` (``"multilevel"``,
-    ``"smaller model"``, ``"scratch"``), the expected saving and its interval, the schedule of the
-    nearest measured point (what a multilevel run would use), the control that decided, and the
-    fit's range."""
+    ``"growth"``, ``"smaller model"``, ``"scratch"``), the expected saving and its interval, the
+    schedule of the nearest measured point (what a multilevel run would use), the growth method that
+    saved more than it there (``growth``; then the advice, unless the smaller model's), the control
+    that decided, and the fit's range."""
     if parameters <= 0 or tokens <= 0:
         raise ValueError(f"parameters and tokens must be positive, got {parameters} and {tokens}")
     tpp = tokens / parameters
@@ -146,4 +151,12 @@ def plan(points: Sequence[StudyPoint], parameters: float, tokens: float) -> dict
     # a multilevel schedule only where the law's interval lies above zero: elsewhere it is not
     # shown to pay, and the full model from scratch is the safe advice
     advice = "smaller model" if suffices else "multilevel" if mean - half > 0 else "scratch"
+    # a growth method that saved more than every cycle at the nearest measured point (progressive
+    # stacking as published did at 80 tokens per parameter): the better choice there, if the
+    # smaller model is not
+    better = nearest.growth if nearest.growth is not None and nearest.growth[1] > max(nearest.saving, 0.0) else None
+    out["growth"] = None if better is None else {"point": nearest.point, "method": better[0], "saving": better[1],
+                                                 "cycle_method": nearest.method, "cycle_saving": nearest.saving}
+    if better is not None and advice != "smaller model":
+        advice = "growth"
     return {**out, "advice": advice}

@@ -178,11 +178,25 @@ def format_saving(s: dict) -> str:
 MULTILEVEL_FAMILIES = ("vcycle", "wcycle", "fcycle", "ode")
 
 
+# growth methods: progressive stacking (as published, or with this project's levers) and the peers
+GROWTH_FAMILIES = ("stacking", "gstack", "msg", "ligo", "bert2bert")
+
+
 def best_multilevel(row: dict) -> Optional[str]:
     """The multilevel method (a cycle of this project, not stacking or a control) of a study row
     (:func:`study_rows`) with the highest median equal-quality FLOPs saving, or None where none has one."""
+    return _best_of(row, MULTILEVEL_FAMILIES)
+
+
+def best_growth(row: dict) -> Optional[str]:
+    """The growth method (progressive stacking or a published peer, :data:`GROWTH_FAMILIES`) of a
+    study row with the highest median equal-quality FLOPs saving, or None where none has one."""
+    return _best_of(row, GROWTH_FAMILIES)
+
+
+def _best_of(row: dict, families: tuple) -> Optional[str]:
     measured = [(m["equal_quality"]["median"], name) for name, m in row["methods"].items()
-                if m["family"] in MULTILEVEL_FAMILIES and m["equal_quality"]["median"] is not None]
+                if m["family"] in families and m["equal_quality"]["median"] is not None]
     return max(measured)[1] if measured else None
 
 
