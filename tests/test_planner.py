@@ -162,7 +162,8 @@ def test_best_multilevel_and_the_regime_plot(tmp_path):
 
 def test_a_growth_that_saved_more_than_the_cycles_is_the_advice(tmp_path, capsys):
     """Where progressive stacking (or a peer) saved more than every cycle at the nearest measured
-    point, it is the advice, unless the smaller model is; --write still gives the cycle's schedule."""
+    point, it is the advice, unless the smaller model is; --write gives it as the study ran it where
+    it is a published form, else the cycle's schedule, and says so."""
     from megatron_multilevel.study.savings import best_growth
 
     row = _row("p1", 1e5, 20.0, 0.1, stacking=0.2)
@@ -188,7 +189,20 @@ def test_a_growth_that_saved_more_than_the_cycles_is_the_advice(tmp_path, capsys
     assert tool.main(["--config", str(config), "--benchmarks", str(tmp_path), "--write", str(out)]) == 0
     said = capsys.readouterr().out
     assert "advice: growth: progressive stacking as published" in said and "saved 35.0%" in said
-    assert "the advice above is 'growth'" in said
+    grown = load_config(json.loads(out.read_text()))  # the advised growth, as the study ran it
+    assert (grown.multilevel.cycle, grown.multilevel.depth_scaling) == ("grow", "ode")
+    assert (grown.multilevel.optimizer_state, grown.multilevel.lr_schedule) == ("reset", "restart")
+    assert grown.multilevel.levels[1].steps_before in (round(0.5 * 199), 100)  # half of S at half depth
+    assert "written: " in said and "the advice above" not in said
+    # a growth that is not a published form (stacking with the levers) is named, not written
+    _study(tmp_path, [_row("p1", 1e5, 0.03, 0.4), _row("p2", 1e5, 0.3, 0.3), _row("p3", 1e5, 10.0, 0.2),
+                      _row("p4", 1e5, 100.0, 0.1)])
+    rows = json.loads((tmp_path / "regime.json").read_text())
+    rows["points"][1]["methods"]["stacking-map-continue"] = {"family": "stacking", "equal_quality": {"median": 0.35}}
+    (tmp_path / "regime.json").write_text(json.dumps(rows))
+    assert tool.main(["--config", str(config), "--benchmarks", str(tmp_path), "--write", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "advice: growth: stacking-map-continue" in said and "the advice above is 'growth'" in said
     assert load_config(json.loads(out.read_text())).multilevel.cycle == "f"
 
 

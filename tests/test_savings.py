@@ -299,6 +299,26 @@ def test_the_shipped_configs_are_the_benchmarks_recipe(name, steps, fine_lr, war
     assert load_config(made).multilevel == load_config(data).multilevel
 
 
+def test_the_shipped_growth_config_is_stacking_as_the_study_ran_it():
+    """configs/gpt_base_grow.json, the planner's advice for GPT-Base, is progressive stacking as
+    published as the benchmark runs it (``--methods stacking --depth-scaling ode``), at GPT-Base's
+    budget: half the steps at half depth, half-step copies, AdamW and the schedule restarted."""
+    from megatron_multilevel.study.variants import PUBLISHED_GROWTHS
+
+    data = json.loads((ROOT / "configs" / "gpt_base_grow.json").read_text())
+    base = {k: v for k, v in data.items() if k != "multilevel"}
+    made = variant_configs(base, steps=100_000, fine_lr=6e-4, warmup=2000, after_warmup=2000, methods=["stacking"],
+                           **PUBLISHED_GROWTHS["stacking"])["stacking"]
+    tool = _tool()
+    args = tool.parse_args(tool.build_parser(), ["--size", "tiny", "--steps", "100", "--methods", "stacking",
+                                                 "--depth-scaling", "ode"])
+    benchmark = tool.variants(args, tool.base_config(args))["stacking"]["multilevel"]
+    assert load_config(made).multilevel == load_config(data).multilevel
+    for key in ("cycle", "depth_scaling", "optimizer_state", "lr_schedule", "depth_pairing"):
+        assert benchmark[key] == data["multilevel"][key], key
+    assert data["multilevel"]["levels"][1]["steps_before"] == 50_000  # half of the steps at half depth
+
+
 def test_recipe_flag_sets_the_recipe_and_yields_to_flags_given():
     from megatron_multilevel.study.variants import RECIPE
 

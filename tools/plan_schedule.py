@@ -85,17 +85,21 @@ def config_budget(path: str, data_parallel: int = 1) -> dict:
             "peak": phases[0].lr.peak, "warmup": phases[0].lr.warmup_steps, "raw": raw}
 
 
-def planned_config(budget: dict, schedule: dict) -> dict:
+def planned_config(budget: dict, schedule: dict, growth: "str | None" = None) -> dict:
     """The config of ``budget`` (:func:`config_budget`) with the recipe's multilevel block at the
-    planned coarse share and second visit, for its from-scratch steps, peak rate and warm-up."""
-    from megatron_multilevel.study.variants import RECIPE, variant_configs
+    planned coarse share and second visit, for its from-scratch steps, peak rate and warm-up; with
+    ``growth`` (a name of ``PUBLISHED_GROWTHS``), that published growth's block instead."""
+    from megatron_multilevel.study.variants import PUBLISHED_GROWTHS, RECIPE, variant_configs
 
     base = {k: v for k, v in budget["raw"].items() if k != "multilevel"}
-    settings = {**RECIPE, "coarse_share": round(schedule["coarse_share"], 3)}
-    if schedule.get("revisit") is not None:
-        settings["fcycle_revisit"] = round(schedule["revisit"], 3)
+    if growth is not None:
+        method, settings = growth, {**PUBLISHED_GROWTHS[growth], "after_warmup": budget["warmup"]}
+    else:
+        method, settings = "fcycle2", {**RECIPE, "coarse_share": round(schedule["coarse_share"], 3)}
+        if schedule.get("revisit") is not None:
+            settings["fcycle_revisit"] = round(schedule["revisit"], 3)
     made = variant_configs(base, steps=budget["steps"], fine_lr=budget["peak"], warmup=budget["warmup"],
-                           methods=["fcycle2"], **settings)["fcycle2"]
+                           methods=[method], **settings)[method]
     return {**budget["raw"], "multilevel": made["multilevel"]}
 
 
@@ -155,7 +159,8 @@ def main(argv=None) -> int:
     p.add_argument("--config", help="a GPT config: its model and budget (train_steps x batch x sequence; a "
                                     "multilevel config's compute in tokens of the full model)")
     p.add_argument("--write", help="with --config: write the config with the planned multilevel block here (the "
-                                   "nearest measured point's schedule, also where the advice is not multilevel)")
+                                   "advised published growth, else the nearest measured point's schedule, also "
+                                   "where the advice is not multilevel)")
     p.add_argument("--data-parallel", "--data_parallel", type=int, default=1,
                    help="with --config and no train_batch_size: the data-parallel size of the global batch")
     p.add_argument("--validate", action="store_true", help="predict each measured point from the others")
@@ -194,11 +199,16 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(result, indent=1) if args.json else describe(result))
-    if args.write:  # the schedule to train multilevel with at this budget, whatever the advice
+    if args.write:  # the advised growth, else the schedule to train multilevel with, whatever the advice
+        from megatron_multilevel.study.variants import PUBLISHED_GROWTHS
+
+        growth = result["growth"]["method"] if result["advice"] == "growth" else None
+        growth = growth if growth in PUBLISHED_GROWTHS else None
         with open(args.write, "w") as f:
-            json.dump(planned_config(budget, result["schedule"]), f, indent=2)
+            json.dump(planned_config(budget, result["schedule"], growth), f, indent=2)
             f.write("\n")
-        print(f"written: {args.write}" + ("" if result["advice"] == "multilevel" else
+        written = result["advice"] == "multilevel" or growth is not None
+        print(f"written: {args.write}" + (f" ({GROWTHS[growth]})" if growth else "") + ("" if written else
               f" (the multilevel schedule of {result['from_point']}, for a run that trains multilevel "
               f"anyway: the advice above is {result['advice']!r})"))
     return 0

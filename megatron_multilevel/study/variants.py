@@ -96,6 +96,16 @@ RECIPE = dict(shape="depth", depth_pairing="halves", depth_scaling="identity", c
               interpolation="correction", alpha=1.0)
 
 
+# The published growths as the studies run them (``tools/benchmark_savings.py --methods stacking
+# --depth-scaling ode``, ``--methods gstack --gstack-factor 4 --gstack-share 0.1``), as keyword
+# arguments of :func:`variant_configs` with their method's name (``after_warmup``: the run's
+# warm-up again): what the planner writes where one saved more than the cycles.
+PUBLISHED_GROWTHS = {
+    "stacking": dict(depth_scaling="ode", coarse_share=0.5, optimizer_state="reset", lr_schedule="restart"),
+    "gstack": dict(gstack_factor=4, gstack_share=0.1, optimizer_state="reset", lr_schedule="restart"),
+}
+
+
 def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor: "float | None" = None,
                     ea: float = 0.05, coarse_share: float = 0.5, alpha: float = 0.5, warmup: int = 20,
                     after_warmup: int = 20, budget: str = "flops", depth_scaling: str = "none",
