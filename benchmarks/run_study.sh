@@ -269,6 +269,10 @@ LONG_8X32+=(
   "once: --methods stacking --depth-scaling ode --optimizer-state map --lr-schedule continue --after-warmup 0 --tag=-ode-map-continue --fractions 1.0"
   "once: --recipe --coarse-share 0.1 --depth-scaling ode --tag=-coarse0.1-ode --fractions 1.0"
   "once: --recipe --coarse-share 0.5 --depth-scaling ode --tag=-coarse0.5-ode --fractions 1.0"
+  # G_stack as published ended lowest of all at seed 1234 (1.7071): its fractions; MSG with the
+  # levers ended under scratch too (1.7385): its fractions
+  "once: $GSTACK --fractions 0.8 0.6"
+  "once: ${MSG/0.8/0.1} --fractions 0.8 0.6"
 )
 
 # the paper's 2-level V-cycle (width and depth, E_a 5%, alpha 0.5: its BERT-Base schedule)
