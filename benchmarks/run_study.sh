@@ -273,6 +273,9 @@ LONG_8X32+=(
   # levers ended under scratch too (1.7385): its fractions
   "once: $GSTACK --fractions 0.8 0.6"
   "once: ${MSG/0.8/0.1} --fractions 0.8 0.6"
+  # bert2BERT with FPI ended 0.50 above scratch, its equal width copies never told apart (no
+  # dropout): its AKI growth, which breaks the symmetry
+  "once: --methods bert2bert --bert2bert-init aki --coarse-share 0.1 --optimizer-state reset --lr-schedule restart --fractions 1.0"
 )
 
 # the paper's 2-level V-cycle (width and depth, E_a 5%, alpha 0.5: its BERT-Base schedule)
