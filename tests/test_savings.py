@@ -308,7 +308,7 @@ def test_the_shipped_growth_config_is_stacking_as_the_study_ran_it():
     data = json.loads((ROOT / "configs" / "gpt_base_grow.json").read_text())
     base = {k: v for k, v in data.items() if k != "multilevel"}
     made = variant_configs(base, steps=100_000, fine_lr=6e-4, warmup=2000, after_warmup=2000, methods=["stacking"],
-                           **PUBLISHED_GROWTHS["stacking"])["stacking"]
+                           **PUBLISHED_GROWTHS["stacking"]["settings"])["stacking"]
     tool = _tool()
     args = tool.parse_args(tool.build_parser(), ["--size", "tiny", "--steps", "100", "--methods", "stacking",
                                                  "--depth-scaling", "ode"])

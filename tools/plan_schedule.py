@@ -93,7 +93,7 @@ def planned_config(budget: dict, schedule: dict, growth: "str | None" = None) ->
 
     base = {k: v for k, v in budget["raw"].items() if k != "multilevel"}
     if growth is not None:
-        method, settings = growth, {**PUBLISHED_GROWTHS[growth], "after_warmup": budget["warmup"]}
+        method, settings = growth, {**PUBLISHED_GROWTHS[growth]["settings"], "after_warmup": budget["warmup"]}
     else:
         method, settings = "fcycle2", {**RECIPE, "coarse_share": round(schedule["coarse_share"], 3)}
         if schedule.get("revisit") is not None:
@@ -103,14 +103,12 @@ def planned_config(budget: dict, schedule: dict, growth: "str | None" = None) ->
     return {**budget["raw"], "multilevel": made["multilevel"]}
 
 
-# the growth methods of the studies, as a run of this project makes them (docs/benchmarks.md)
-GROWTHS = {
-    "stacking": "progressive stacking as published (multilevel.cycle \"grow\": the half-depth model for half the "
-                "steps, stacked with depth_scaling \"ode\", optimizer_state \"reset\" and lr_schedule \"restart\": "
-                "`tools/benchmark_savings.py --methods stacking --depth-scaling ode`)",
-    "gstack": "G_stack as published (a quarter-depth model, stacked four times, AdamW and the schedule restarted: "
-              "`tools/benchmark_savings.py --methods gstack`)",
-}
+def growth_name(method: str) -> str:
+    """What a growth method of the studies is, as a run of this project makes it (its name where it
+    is not a published form)."""
+    from megatron_multilevel.study.variants import PUBLISHED_GROWTHS
+
+    return PUBLISHED_GROWTHS[method]["about"] if method in PUBLISHED_GROWTHS else method
 
 
 def describe(result: dict) -> str:
@@ -141,12 +139,12 @@ def describe(result: dict) -> str:
     if advice == "multilevel":
         lines.append(f"advice: multilevel: {cycle}")
     elif advice == "growth":
-        lines.append(f"advice: growth: {GROWTHS.get(growth['method'], growth['method'])}: at {growth['point']} it "
+        lines.append(f"advice: growth: {growth_name(growth['method'])}: at {growth['point']} it "
                      f"saved {100 * growth['saving']:.1f}% of the FLOPs at equal quality, more than the best "
                      f"multilevel schedule there ({growth['cycle_method']}, {100 * growth['cycle_saving']:.1f}%); "
                      f"the law above is the cycles'. The multilevel schedule it beat: {cycle}")
     if growth is not None and advice == "smaller model":
-        lines.append(f"  (were the full model trained: {GROWTHS.get(growth['method'], growth['method'])} saved "
+        lines.append(f"  (were the full model trained: {growth_name(growth['method'])} saved "
                      f"{100 * growth['saving']:.1f}% at {growth['point']}, the best multilevel schedule "
                      f"{100 * growth['cycle_saving']:.1f}%)")
     return "\n".join(lines)
@@ -208,7 +206,7 @@ def main(argv=None) -> int:
             json.dump(planned_config(budget, result["schedule"], growth), f, indent=2)
             f.write("\n")
         written = result["advice"] == "multilevel" or growth is not None
-        print(f"written: {args.write}" + (f" ({GROWTHS[growth]})" if growth else "") + ("" if written else
+        print(f"written: {args.write}" + (f" ({growth_name(growth)})" if growth else "") + ("" if written else
               f" (the multilevel schedule of {result['from_point']}, for a run that trains multilevel "
               f"anyway: the advice above is {result['advice']!r})"))
     return 0

@@ -96,13 +96,19 @@ RECIPE = dict(shape="depth", depth_pairing="halves", depth_scaling="identity", c
               interpolation="correction", alpha=1.0)
 
 
-# The published growths as the studies run them (``tools/benchmark_savings.py --methods stacking
-# --depth-scaling ode``, ``--methods gstack --gstack-factor 4 --gstack-share 0.1``), as keyword
-# arguments of :func:`variant_configs` with their method's name (``after_warmup``: the run's
-# warm-up again): what the planner writes where one saved more than the cycles.
+# The published growths as the studies run them, by their method's name: what each is (``about``)
+# and its keyword arguments of :func:`variant_configs` (``settings``; ``after_warmup``: the run's
+# warm-up again): what the planner names and writes where one saved more than the cycles.
 PUBLISHED_GROWTHS = {
-    "stacking": dict(depth_scaling="ode", coarse_share=0.5, optimizer_state="reset", lr_schedule="restart"),
-    "gstack": dict(gstack_factor=4, gstack_share=0.1, optimizer_state="reset", lr_schedule="restart"),
+    "stacking": {
+        "about": "progressive stacking as published (multilevel.cycle \"grow\": the half-depth model for half the "
+                 "steps, stacked with depth_scaling \"ode\", optimizer_state \"reset\" and lr_schedule \"restart\": "
+                 "`tools/benchmark_savings.py --methods stacking --depth-scaling ode`)",
+        "settings": dict(depth_scaling="ode", coarse_share=0.5, optimizer_state="reset", lr_schedule="restart")},
+    "gstack": {
+        "about": "G_stack as published (a quarter-depth model, stacked four times, AdamW and the schedule restarted: "
+                 "`tools/benchmark_savings.py --methods gstack --gstack-factor 4 --gstack-share 0.1`)",
+        "settings": dict(gstack_factor=4, gstack_share=0.1, optimizer_state="reset", lr_schedule="restart")},
 }
 
 
