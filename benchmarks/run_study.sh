@@ -276,7 +276,19 @@ LONG_8X32+=(
   # bert2BERT with FPI ended 0.50 above scratch, its equal width copies never told apart (no
   # dropout): its AKI growth, which breaks the symmetry
   "once: --methods bert2bert --bert2bert-init aki --coarse-share 0.1 --optimizer-state reset --lr-schedule restart --fractions 1.0"
+  # LiGO with the levers ended under scratch (1.7586): its fractions
+  "once: ${LIGO/0.8/0.1} --fractions 0.8 0.6"
 )
+# G_stack at the regime study's longest point (GPT 4 x 64, 18,800 steps, 81 tokens per parameter,
+# where the full model wins at both seeds), which the long point's pin predates: its own pin, one
+# seed, the baseline at the size's rate (4e-3, the best of 2e-3, 4e-3 and 8e-3 there) rerun by this
+# pin, then G_stack as published at the full budget and its fractions.
+LONG3_4X64=(
+  "$GSTACK --fractions 1.0"
+  "$GSTACK --fractions 0.8 0.6"
+)
+POINTS[long3-4x64-18800]="--size cpu-4x64 --steps 18800"
+SEEDS[long3-4x64-18800]=1
 
 # the paper's 2-level V-cycle (width and depth, E_a 5%, alpha 0.5: its BERT-Base schedule)
 VCYCLE2_PAPER="--methods vcycle2 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper"
@@ -381,6 +393,7 @@ recipes_of() {  # the recipe lines of a point
     ablation-*) printf '%s\n' "${ABLATION[@]}" ;;
     long-4x64-18800) printf '%s\n' "${LONG_CONTROLS[@]}" ;;
     long2-8x32-9400) printf '%s\n' "${LONG_8X32[@]}" ;;
+    long3-4x64-18800) printf '%s\n' "${LONG3_4X64[@]}" ;;
     long-*) printf '%s\n' "${LONG[@]}" ;;
     ctl-*) printf '%s\n' "${CONTROLS[@]}" ;;
     *) printf '%s\n' "${RECIPES[@]}" ;;
@@ -393,7 +406,7 @@ if [[ "${1:-}" == "--seeds" ]]; then
 fi
 if [[ "${1:-}" == "--list" ]]; then
   for point in "${ORDER[@]}" ablation-8x256-480 ablation-8x256-480-b582310 "${LONG_POINTS[@]}" \
-      "${CONTROL_POINTS[@]}" peers-8x256-480 peers2-8x256-480 bert-8x256-480 bert-8x256-1920 bert-4x64-4700 bert-4x64-18800 bert-dropout-8x256-480 ode-12x256-480; do
+      "${CONTROL_POINTS[@]}" long3-4x64-18800 peers-8x256-480 peers2-8x256-480 bert-8x256-480 bert-8x256-1920 bert-4x64-4700 bert-4x64-18800 bert-dropout-8x256-480 ode-12x256-480; do
     while IFS= read -r recipe; do
       echo "$point: ${POINTS[$point]} $recipe (seeds 1234 to $((1233 + ${SEEDS[$point]:-2})))"
     done < <(recipes_of "$point")
