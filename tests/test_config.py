@@ -243,9 +243,10 @@ def _cycle(cycle: str, **multilevel) -> dict:
         (_cycle("grow") | {"model": {"hidden_dropout": 0.1}}, False),  # so does dropout
         (_cycle("grow") | {"model": {"attention_dropout": 0.1}}, False),
         (_cycle("grow", coalesce_width=False), False),                 # depth copies are not a width pair
+        (_cycle("grow", width_growth="aki"), True),                   # AKI leaves the top layer's copies
         (_cycle("v"), False),                                          # the fine model starts from its own init
     ],
-    ids=["grow", "f", "perturbation", "hidden-dropout", "attention-dropout", "depth-only", "v"],
+    ids=["grow", "f", "perturbation", "hidden-dropout", "attention-dropout", "depth-only", "aki", "v"],
 )
 def test_width_growth_without_symmetry_breaking_warns(data, warns):
     """A level reached first by growing in width, with no noise and no dropout, keeps equal copies
@@ -259,6 +260,7 @@ def test_width_growth_without_symmetry_breaking_warns(data, warns):
     assert len(messages) == int(warns), messages
     if warns:
         assert "multilevel.perturbation_std" in messages[0] and "level(s) [0]" in messages[0]
+        assert ("top layer" in messages[0]) == (data["multilevel"].get("width_growth") == "aki"), messages[0]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

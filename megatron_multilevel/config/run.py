@@ -133,7 +133,13 @@ class RunConfig:
         first reached by growing (an F-cycle's finer levels, every level of ``grow``) has no model
         from before coalescing to interpolate with; without dropout or ``perturbation_std`` noise
         its copies stay equal for the rest of the run, and it trains at the coarse width while
-        paying for the fine one. Legal (a benchmark may want exactly that), hence a warning."""
+        paying for the fine one. Legal (a benchmark may want exactly that), hence a warning.
+
+        bert2BERT's AKI (``width_growth = "aki"``) draws a layer's new units from the layer above,
+        which breaks the pairs of every layer but the small model's top one: having no layer above,
+        that one grows by FPI, and its new heads and FFN units stay copies (measured: after 9,400
+        steps of GPT 8 x 32 grown by AKI, the top layer's FFN and QKV rows of each pair, and those
+        of its stacked copy, are still equal, every other layer's apart)."""
         ml = self.multilevel
         if not (ml.enabled and ml.strategy == "coalesce" and ml.coalesce_width) or ml.perturbation_std > 0:
             return
@@ -141,11 +147,14 @@ class RunConfig:
         grown = sorted({level for level, arrival in zip(order, arrivals(order)) if arrival == "grow"})
         if not grown or self.model.hidden_dropout > 0 or self.model.attention_dropout > 0:
             return
+        which = ("the copied units of the coarser model's top layer (multilevel.width_growth 'aki' draws every other "
+                 "layer's new units from the layer above; the top layer has none)" if ml.width_growth == "aki"
+                 else "the copied units")
         warnings.warn(
             f"multilevel: cycle {ml.cycle!r} grows level(s) {grown} in width (multilevel.coalesce_width = true) "
-            f"from a coarser level, and nothing breaks the symmetry of the copied units "
+            f"from a coarser level, and nothing breaks the symmetry of {which} "
             f"(multilevel.perturbation_std = 0, model.hidden_dropout = model.attention_dropout = 0): "
-            f"they stay equal and those levels train at half their width. Set multilevel.perturbation_std "
+            f"they stay equal and train at half their width. Set multilevel.perturbation_std "
             f"(e.g. 0.01) or a dropout, or coalesce depth only (multilevel.coalesce_width = false)",
             UserWarning,
             stacklevel=2,
