@@ -204,6 +204,17 @@ def test_a_growth_that_saved_more_than_the_cycles_is_the_advice(tmp_path, capsys
     said = capsys.readouterr().out
     assert "advice: growth: stacking-map-continue" in said and "the advice above is 'growth'" in said
     assert load_config(json.loads(out.read_text())).multilevel.cycle == "f"
+    # --growth writes the published growth asked for, whatever the advice; an unknown one is refused
+    assert tool.main(["--config", str(config), "--benchmarks", str(tmp_path), "--write", str(out),
+                      "--growth", "gstack"]) == 0
+    assert "written: " in capsys.readouterr().out
+    asked = load_config(json.loads(out.read_text())).multilevel
+    assert (asked.cycle, asked.num_levels, asked.depth_scaling) == ("grow", 3, "none")  # a quarter depth, plain copies
+    assert (asked.optimizer_state, asked.lr_schedule) == ("reset", "restart")
+    for argv in (["--growth", "msg", "--write", str(out)], ["--growth", "gstack"]):
+        with pytest.raises(SystemExit):
+            tool.main(["--config", str(config), "--benchmarks", str(tmp_path), *argv])
+        assert "--growth" in capsys.readouterr().err
 
 
 def test_the_scale_studys_controls_are_read_from_their_own_points(tmp_path, capsys):

@@ -299,24 +299,28 @@ def test_the_shipped_configs_are_the_benchmarks_recipe(name, steps, fine_lr, war
     assert load_config(made).multilevel == load_config(data).multilevel
 
 
-def test_the_shipped_growth_config_is_stacking_as_the_study_ran_it():
-    """configs/gpt_base_grow.json, the planner's advice for GPT-Base, is progressive stacking as
-    published as the benchmark runs it (``--methods stacking --depth-scaling ode``), at GPT-Base's
-    budget: half the steps at half depth, half-step copies, AdamW and the schedule restarted."""
+@pytest.mark.parametrize("name, method, flags, small_steps", [
+    ("gpt_base_grow.json", "stacking", ["--methods", "stacking", "--depth-scaling", "ode"], 50_000),
+    ("gpt_base_gstack.json", "gstack", ["--methods", "gstack", "--gstack-factor", "4", "--gstack-share", "0.1"], 10_000),
+])
+def test_the_shipped_growth_configs_are_the_growths_as_the_study_ran_them(name, method, flags, small_steps):
+    """configs/gpt_base_grow.json (the planner's advice for GPT-Base) is progressive stacking as
+    published and configs/gpt_base_gstack.json G_stack as published, each as the benchmark runs it
+    (the flags), at GPT-Base's budget: stacking's half of the steps at half depth, G_stack's tenth
+    at a quarter depth; AdamW and the schedule restarted."""
     from megatron_multilevel.study.variants import PUBLISHED_GROWTHS
 
-    data = json.loads((ROOT / "configs" / "gpt_base_grow.json").read_text())
+    data = json.loads((ROOT / "configs" / name).read_text())
     base = {k: v for k, v in data.items() if k != "multilevel"}
-    made = variant_configs(base, steps=100_000, fine_lr=6e-4, warmup=2000, after_warmup=2000, methods=["stacking"],
-                           **PUBLISHED_GROWTHS["stacking"]["settings"])["stacking"]
+    made = variant_configs(base, steps=100_000, fine_lr=6e-4, warmup=2000, after_warmup=2000, methods=[method],
+                           **PUBLISHED_GROWTHS[method]["settings"])[method]
     tool = _tool()
-    args = tool.parse_args(tool.build_parser(), ["--size", "tiny", "--steps", "100", "--methods", "stacking",
-                                                 "--depth-scaling", "ode"])
-    benchmark = tool.variants(args, tool.base_config(args))["stacking"]["multilevel"]
+    args = tool.parse_args(tool.build_parser(), ["--size", "tiny", "--steps", "100", *flags])
+    benchmark = tool.variants(args, tool.base_config(args))[method]["multilevel"]
     assert load_config(made).multilevel == load_config(data).multilevel
-    for key in ("cycle", "depth_scaling", "optimizer_state", "lr_schedule", "depth_pairing"):
+    for key in ("cycle", "num_levels", "depth_scaling", "optimizer_state", "lr_schedule", "depth_pairing"):
         assert benchmark[key] == data["multilevel"][key], key
-    assert data["multilevel"]["levels"][1]["steps_before"] == 50_000  # half of the steps at half depth
+    assert data["multilevel"]["levels"][-1]["steps_before"] == small_steps  # the small model's share of the steps
 
 
 def test_recipe_flag_sets_the_recipe_and_yields_to_flags_given():

@@ -159,6 +159,8 @@ def main(argv=None) -> int:
     p.add_argument("--write", help="with --config: write the config with the planned multilevel block here (the "
                                    "advised published growth, else the nearest measured point's schedule, also "
                                    "where the advice is not multilevel)")
+    p.add_argument("--growth", default=None, help="with --write: write this published growth (stacking, gstack) "
+                                                  "whatever the advice")
     p.add_argument("--data-parallel", "--data_parallel", type=int, default=1,
                    help="with --config and no train_batch_size: the data-parallel size of the global batch")
     p.add_argument("--validate", action="store_true", help="predict each measured point from the others")
@@ -170,6 +172,10 @@ def main(argv=None) -> int:
         p.error("give --params and --tokens, or --config, or --validate")
     if args.write and not args.config:
         p.error("--write goes with --config")
+    from megatron_multilevel.study.variants import PUBLISHED_GROWTHS
+
+    if args.growth is not None and (not args.write or args.growth not in PUBLISHED_GROWTHS):
+        p.error(f"--growth {args.growth!r}: it goes with --write and is one of {sorted(PUBLISHED_GROWTHS)}")
     from megatron_multilevel.study.planner import leave_one_out, plan
 
     points = read_points(args.benchmarks)
@@ -197,11 +203,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(result, indent=1) if args.json else describe(result))
-    if args.write:  # the advised growth, else the schedule to train multilevel with, whatever the advice
-        from megatron_multilevel.study.variants import PUBLISHED_GROWTHS
-
+    if args.write:  # the growth asked for, else the advised one, else the schedule to train multilevel with
         growth = result["growth"]["method"] if result["advice"] == "growth" else None
-        growth = growth if growth in PUBLISHED_GROWTHS else None
+        growth = args.growth or (growth if growth in PUBLISHED_GROWTHS else None)
         with open(args.write, "w") as f:
             json.dump(planned_config(budget, result["schedule"], growth), f, indent=2)
             f.write("\n")
