@@ -217,6 +217,29 @@ def test_a_growth_that_saved_more_than_the_cycles_is_the_advice(tmp_path, capsys
         assert "--growth" in capsys.readouterr().err
 
 
+def test_a_growth_a_later_pin_measured_counts_at_the_same_shape_and_budget(tmp_path, capsys):
+    """A shape and budget measured again by a later pin for a growth the first pin predates
+    (regime3.json: G_stack alone beside scratch) lends that growth to the first pin's point: where it
+    saved more than the first point's growths and cycles, it is the advice there."""
+    tool = _plan_tool()
+    rows = [_row("p1", 1e5, 0.03, 0.4), _row("p2", 1e5, 0.3, 0.3), _row("p3", 1e5, 10.0, 0.2),
+            _row("long-4x64-100", 1e5, 100.0, 0.1, stacking=0.15)]
+    _study(tmp_path, rows)
+    at = ["--params", "1e5", "--tokens", "1e7", "--benchmarks", str(tmp_path)]  # 100 tokens per parameter
+    assert tool.main(at) == 0
+    assert "advice: growth: progressive stacking as published" in capsys.readouterr().out
+    later = {"point": "long3-4x64-100", "shape": "4x64", "parameters": 1e5, "tokens_per_parameter": 100.0,
+             "methods": {"gstack": {"family": "gstack", "equal_quality": {"median": 0.25}}}}
+    (tmp_path / "regime3.json").write_text(json.dumps({"commit": "b" * 40, "points": [later], "leads": []}))
+    assert tool.main(at) == 0
+    said = capsys.readouterr().out
+    assert "advice: growth: G_stack as published" in said and "at long-4x64-100 it saved 25.0%" in said
+    later["methods"]["gstack"]["equal_quality"]["median"] = 0.12  # behind stacking: stacking stays the advice
+    (tmp_path / "regime3.json").write_text(json.dumps({"commit": "b" * 40, "points": [later], "leads": []}))
+    assert tool.main(at) == 0
+    assert "advice: growth: progressive stacking as published" in capsys.readouterr().out
+
+
 def test_the_scale_studys_controls_are_read_from_their_own_points(tmp_path, capsys):
     """A control run later at a scale-study point (benchmarks/ctl-*, controls.json) counts for the
     scale point of the same shape and budget: the smaller model is then the advice at that budget."""

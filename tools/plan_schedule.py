@@ -7,8 +7,8 @@
     python tools/plan_schedule.py --hold-out long-4x64-4700 --params 236928 --tokens 4.8e6  # predict before running
 
 Reads the scale study (``benchmarks/study.json``, with its controls from ``benchmarks/controls.json``)
-and the regime study (``benchmarks/regime.json``, its second pin's points ``regime2.json``), all made by
-``tools/study_report.py``. The law and the advice are
+and the regime study (``benchmarks/regime.json``, its later pins' points ``regime2.json`` and
+``regime3.json``), all made by ``tools/study_report.py``. The law and the advice are
 ``megatron_multilevel.study.planner``'s (docs/benchmarks.md, "The planner"): the smaller model alone
 where the study's control found it sufficient at the budget, training from scratch where the saving's
 interval does not lie above zero, else the multilevel schedule of the nearest measured point,
@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-STUDIES = {"scale": "study.json", "regime": "regime.json", "regime2": "regime2.json"}
+STUDIES = {"scale": "study.json", "regime": "regime.json", "regime2": "regime2.json", "regime3": "regime3.json"}
 
 
 def read_points(benchmarks: str) -> list:
@@ -56,7 +56,24 @@ def read_points(benchmarks: str) -> list:
     if not points:
         raise SystemExit(f"plan_schedule: no study in {benchmarks} ({', '.join(STUDIES.values())}): "
                          "run tools/study_report.py first")
-    return points
+    return with_growths_of_later_pins(points)
+
+
+def with_growths_of_later_pins(points: list) -> list:
+    """A shape and budget measured again by a later pin, for a growth method the first pin predates
+    (G_stack on 4 x 64 at 81 tokens per parameter, regime3), counts at every point of that shape
+    and budget: each point's growth is the best measured at any of them, each saving against its
+    own pin's best-tuned scratch."""
+    import dataclasses
+
+    def key(pt):
+        return pt.shape, round(pt.tokens_per_parameter, 1)
+
+    best = {}
+    for pt in points:
+        if pt.growth is not None and (key(pt) not in best or pt.growth[1] > best[key(pt)][1]):
+            best[key(pt)] = pt.growth
+    return [dataclasses.replace(pt, growth=best.get(key(pt))) for pt in points]
 
 
 def config_budget(path: str, data_parallel: int = 1) -> dict:

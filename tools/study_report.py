@@ -4,6 +4,7 @@ against the budget per method.
     python tools/study_report.py                  # the scale study: benchmarks/cpu-*, writes benchmarks/study.*
     python tools/study_report.py --study regime   # the regime study: benchmarks/long-*, writes benchmarks/regime.*
     python tools/study_report.py --study regime2  # its second pin's points: benchmarks/long2-*, regime2.*
+    python tools/study_report.py --study regime3  # its third pin's points: benchmarks/long3-*, regime3.*
     python tools/study_report.py --study controls # the scale study's controls: benchmarks/ctl-*, controls.*
     python tools/study_report.py --point bert-4x64-4700   # one point's rows and where its lead is made
 
@@ -31,6 +32,8 @@ STUDIES = {"scale": (re.compile(r"^cpu-(\d+)x(\d+)-(\d+)$"), "study"),
            "regime": (re.compile(r"^long-(\d+)x(\d+)-(\d+)$"), "regime"),
            # the regime study's second size at 80 tokens per parameter, made by a later pin
            "regime2": (re.compile(r"^long2-(\d+)x(\d+)-(\d+)$"), "regime2"),
+           # the regime study's longest point again, for a growth its pin predates (G_stack)
+           "regime3": (re.compile(r"^long3-(\d+)x(\d+)-(\d+)$"), "regime3"),
            # the scale study's points again, with the smaller-model control it lacked
            "controls": (re.compile(r"^ctl-(\d+)x(\d+)-(\d+)$"), "controls")}
 
@@ -192,7 +195,8 @@ def main(argv=None) -> int:
     p.add_argument("--benchmarks", default=os.path.join(ROOT, "benchmarks"))
     p.add_argument("--study", choices=sorted(STUDIES), default="scale",
                    help="scale: the cpu-* points (study.*); regime: the long-* points (regime.*); regime2: the "
-                        "long2-* points (regime2.*); controls: the ctl-* points (controls.*)")
+                        "long2-* points (regime2.*); regime3: the long3-* points (regime3.*); controls: the ctl-* points "
+                        "(controls.*)")
     p.add_argument("--out", default=None, help="where the table, the JSON and the plot go (default: --benchmarks)")
     p.add_argument("--point", default=None, help="print one point's rows and where its lead is made (any point "
                    "named <name>-<layers>x<hidden>-<steps>, by its own code version: a BERT point, a peers point)")
