@@ -279,13 +279,20 @@ LONG_8X32+=(
   # LiGO with the levers ended under scratch (1.7586): its fractions
   "once: ${LIGO/0.8/0.1} --fractions 0.8 0.6"
 )
-# G_stack at the regime study's longest point (GPT 4 x 64, 18,800 steps, 81 tokens per parameter,
-# where the full model wins at both seeds), which the long point's pin predates: its own pin, one
+# The peers at the regime study's longest point (GPT 4 x 64, 18,800 steps, 81 tokens per parameter,
+# where the full model wins at both seeds), which the long point's pin predates: their own pin, one
 # seed, the baseline at the size's rate (4e-3, the best of 2e-3, 4e-3 and 8e-3 there) rerun by this
-# pin, then G_stack as published at the full budget and its fractions.
+# pin; G_stack as published first (the most on 8 x 32 at 80) with its fractions, then the others as
+# on 8 x 32 at the full budget, then the fractions of those that reach scratch there (MSG, LiGO).
 LONG3_4X64=(
   "$GSTACK --fractions 1.0"
   "$GSTACK --fractions 0.8 0.6"
+  "${MSG/0.8/0.1} --fractions 1.0"
+  "${LIGO/0.8/0.1} --fractions 1.0"
+  "--methods bert2bert --bert2bert-init aki --coarse-share 0.1 --optimizer-state reset --lr-schedule restart --fractions 1.0"
+  "${MSG/0.8/0.1} --fractions 0.8 0.6"
+  "${LIGO/0.8/0.1} --fractions 0.8 0.6"
+  "--methods bert2bert --coarse-share 0.1 --optimizer-state reset --lr-schedule restart --fractions 1.0"
 )
 POINTS[long3-4x64-18800]="--size cpu-4x64 --steps 18800"
 SEEDS[long3-4x64-18800]=1
