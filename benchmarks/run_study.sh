@@ -242,9 +242,10 @@ PEERS2=("${PEERS[0]}")
 for line in "${PEERS2_METHODS[@]}"; do PEERS2+=("$line --fractions 1.0"); done
 for line in "${PEERS2_METHODS[@]}"; do PEERS2+=("$line --fractions 0.6 0.8"); done
 POINTS[peers2-8x256-480]="--size cpu --steps 480"
-# The peers at the regime study's longest budget (80 tokens per parameter; the control is split there,
-# the smaller model reaching scratch's loss in one seed of two), one seed with the budget fractions, at the second size's point (GPT 8 x 32, 9,400
-# steps: a run a third as long as 4 x 64's at 81), so that its table holds them beside the tuned
+# The peers at the regime study's longest budget (80 tokens per parameter; the control is split
+# there, the smaller model reaching scratch's loss in one seed of two), one seed with the budget
+# fractions, at the second size's point (GPT 8 x 32, 9,400 steps: a run a third as long as 4 x 64's
+# at 81), so that its table holds them beside the tuned
 # baseline, the control, the F-cycle and stacking with the levers: G_stack as published and with
 # the levers, MSG and LiGO's learned depth operator with the levers, bert2BERT as published (FPI
 # width growth and stacking, AdamW and the schedule restarted); each with a 10% first phase at its
