@@ -672,6 +672,26 @@ def test_study_rows_and_their_table(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_regime_plot_takes_every_regime_pin_with_a_cycle(tmp_path):
+    """The regime plot holds the other regime pins' points (regime, regime2, regime3), but not a
+    pin of growths only, which has no cycle's saving to plot."""
+    report = _tool("study_report")
+
+    def row(point, methods):
+        return {"point": point, "methods": {m: {"family": f, "equal_quality": {"median": v}} for m, f, v in methods}}
+
+    cycle = row("long-4x64-100", [("fcycle2", "fcycle", 0.1), ("stacking", "stacking", 0.2)])
+    (tmp_path / "regime.json").write_text(json.dumps({"commit": "a" * 40, "points": [cycle]}))
+    (tmp_path / "regime2.json").write_text(json.dumps({"commit": "b" * 40, "points": [
+        row("long2-8x32-100", [("fcycle2-coarse0.1", "fcycle", 0.13)])]}))
+    (tmp_path / "regime3.json").write_text(json.dumps({"commit": "c" * 40, "points": [
+        row("long3-4x64-100", [("gstack", "gstack", None)])]}))
+    studies = report.regime_studies(str(tmp_path), "regime2", "b" * 40, ["mine"])
+    assert studies == {"regime2 study (bbbbbbb)": ["mine"], "regime study (aaaaaaa)": [cycle]}
+    assert list(report.regime_studies(str(tmp_path), "regime3", "c" * 40, [])) == [
+        "regime3 study (ccccccc)", "regime study (aaaaaaa)", "regime2 study (bbbbbbb)"]
+
+
 def test_phase_leads_against_scratch_at_equal_flops(tmp_path, capsys, monkeypatch):
     """A run's lead over scratch at each phase end, by hand on a made-up piecewise-linear scratch
     curve; the study report's table of them, from run files (full budget only, same seed, the

@@ -190,6 +190,22 @@ def print_point(benchmarks: str, name: str) -> int:
     return 0
 
 
+def regime_studies(benchmarks: str, study: str, commit: str, rows: list[dict]) -> dict[str, list[dict]]:
+    """The regime pins' rows to plot beside ``study``'s: each other regime pin's kept rows where one
+    of its points has a multilevel cycle's saving (a pin of growths only has none to plot)."""
+    from megatron_multilevel.study.savings import best_multilevel
+
+    studies = {f"{study} study ({commit[:7]})": rows}
+    for name in sorted(n for n in STUDIES if n.startswith("regime") and n != study):
+        other = os.path.join(benchmarks, name + ".json")
+        if os.path.isfile(other):
+            with open(other) as f:
+                kept = json.load(f)
+            if any(map(best_multilevel, kept["points"])):
+                studies[f"{name} study ({kept['commit'][:7]})"] = kept["points"]
+    return studies
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--benchmarks", default=os.path.join(ROOT, "benchmarks"))
@@ -213,7 +229,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"study_report: no point of {args.benchmarks} was made by {commit[:12]}")
 
     from megatron_multilevel.study.plotting import plot_regime, plot_scale
-    from megatron_multilevel.study.savings import study_rows, with_controls
+    from megatron_multilevel.study.savings import best_multilevel, study_rows, with_controls
 
     rows = study_rows(points, parameter_counts(points))
     os.makedirs(out, exist_ok=True)
@@ -231,15 +247,10 @@ def main(argv=None) -> int:
         f.write("\n")
     if args.study == "scale":
         plot = plot_scale(rows, out)
-    elif args.study == "controls":  # no saving to plot: the table says where the smaller model suffices
-        plot = "no plot"
-    else:  # the regime's points beside the scale study's (and the other regime pin's), each with its commit
-        studies = {f"{args.study} study ({commit[:7]})": rows}
-        other = os.path.join(args.benchmarks, ("regime2" if args.study == "regime" else "regime") + ".json")
-        if os.path.isfile(other):
-            with open(other) as f:
-                kept = json.load(f)
-            studies[f"{os.path.basename(other)[:-5]} study ({kept['commit'][:7]})"] = kept["points"]
+    elif args.study == "controls" or not any(map(best_multilevel, rows)):
+        plot = "no plot"  # no cycle's saving to plot (the controls; a pin of growths only): the table says it
+    else:  # the regime's points beside the scale study's (and the other regime pins' with a cycle)
+        studies = regime_studies(args.benchmarks, args.study, commit, rows)
         scale = os.path.join(args.benchmarks, "study.json")
         if os.path.isfile(scale):
             with open(scale) as f:
