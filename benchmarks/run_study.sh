@@ -294,6 +294,11 @@ LONG3_4X64=(
   "${MSG/0.8/0.1} --fractions 0.8 0.6"
   "${LIGO/0.8/0.1} --fractions 0.8 0.6"
   "--methods bert2bert --coarse-share 0.1 --optimizer-state reset --lr-schedule restart --fractions 1.0"
+  # MSG ended 0.035 under this pin's scratch, twice stacking as published's lead on the regime pin:
+  # the same growth without the mask, and the F-cycle, at the same 10% share on this pin
+  "${STACK_SHARE02//0.2/0.1} --fractions 1.0"
+  "--recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 1.0"
+  "$STACK_PUBLISHED --fractions 1.0"
 )
 POINTS[long3-4x64-18800]="--size cpu-4x64 --steps 18800"
 SEEDS[long3-4x64-18800]=1
