@@ -304,8 +304,8 @@ def test_the_shipped_configs_are_the_benchmarks_recipe(name, steps, fine_lr, war
     ("gpt_base_gstack.json", "gstack", ["--methods", "gstack", "--gstack-factor", "4", "--gstack-share", "0.1"], 10_000),
 ])
 def test_the_shipped_growth_configs_are_the_growths_as_the_study_ran_them(name, method, flags, small_steps):
-    """configs/gpt_base_grow.json (the growth of the planner's advice for GPT-Base until MSG's run) is progressive stacking as
-    published and configs/gpt_base_gstack.json G_stack as published, each as the benchmark runs it
+    """configs/gpt_base_grow.json (the planner's advice for GPT-Base until MSG's run) is progressive
+    stacking as published and configs/gpt_base_gstack.json G_stack as published, each as the benchmark runs it
     (the flags), at GPT-Base's budget: stacking's half of the steps at half depth, G_stack's tenth
     at a quarter depth; AdamW and the schedule restarted."""
     from megatron_multilevel.study.variants import PUBLISHED_GROWTHS
