@@ -63,17 +63,19 @@ def with_growths_of_later_pins(points: list) -> list:
     """A shape and budget measured again by a later pin, for a growth method the first pin predates
     (G_stack on 4 x 64 at 81 tokens per parameter, regime3), counts at every point of that shape
     and budget: each point's growth is the best measured at any of them, each saving against its
-    own pin's best-tuned scratch."""
+    own pin's best-tuned scratch, named with the point that measured it."""
     import dataclasses
 
     def key(pt):
         return pt.shape, round(pt.tokens_per_parameter, 1)
 
-    best = {}
+    best = {}  # the shape and budget -> the point that measured the best growth there
     for pt in points:
-        if pt.growth is not None and (key(pt) not in best or pt.growth[1] > best[key(pt)][1]):
-            best[key(pt)] = pt.growth
-    return [dataclasses.replace(pt, growth=best.get(key(pt))) for pt in points]
+        if pt.growth is not None and (key(pt) not in best or pt.growth[1] > best[key(pt)].growth[1]):
+            best[key(pt)] = pt
+    return [pt if key(pt) not in best else
+            dataclasses.replace(pt, growth=best[key(pt)].growth, growth_point=best[key(pt)].point)
+            for pt in points]
 
 
 def config_budget(path: str, data_parallel: int = 1) -> dict:

@@ -41,6 +41,8 @@ class StudyPoint:
     # and the seeds it ran: (reached, ran); None where no control was run
     growth: Optional[tuple] = None  # the best growth method measured there (progressive stacking or
     # a peer) and its median equal-quality saving: (method, saving); None where none reached scratch
+    growth_point: Optional[str] = None  # the point whose runs measured ``growth`` (a later pin's at the
+    # same shape and budget); None: this point's own
 
     @property
     def smaller_model_suffices(self) -> Optional[bool]:
@@ -155,7 +157,8 @@ def plan(points: Sequence[StudyPoint], parameters: float, tokens: float) -> dict
     # stacking as published did at 80 tokens per parameter): the better choice there, if the
     # smaller model is not
     better = nearest.growth if nearest.growth is not None and nearest.growth[1] > max(nearest.saving, 0.0) else None
-    out["growth"] = None if better is None else {"point": nearest.point, "method": better[0], "saving": better[1],
+    out["growth"] = None if better is None else {"point": nearest.growth_point or nearest.point,
+                                                 "method": better[0], "saving": better[1],
                                                  "cycle_method": nearest.method, "cycle_saving": nearest.saving}
     if better is not None and advice != "smaller model":
         advice = "growth"
