@@ -276,7 +276,7 @@ def test_shipped_configs_do_not_warn_of_width_symmetry(path):
 @pytest.mark.parametrize("name, baseline", [
     ("gpt_base.json", "gpt_base_scratch.json"), ("gpt_base_zero2.json", "gpt_base_scratch.json"),
     ("gpt_base_zero3.json", "gpt_base_scratch.json"), ("gpt_base_grow.json", "gpt_base_scratch.json"),
-    ("gpt_base_gstack.json", "gpt_base_scratch.json"),
+    ("gpt_base_gstack.json", "gpt_base_scratch.json"), ("gpt_base_msg.json", "gpt_base_scratch.json"),
     ("bert_base.json", "bert_base_scratch.json"),
     ("bert_large.json", "bert_large_scratch.json")])
 def test_gpu_recipe_configs_spend_their_scratch_baselines_flops(name, baseline):

@@ -204,14 +204,26 @@ def test_a_growth_that_saved_more_than_the_cycles_is_the_advice(tmp_path, capsys
     said = capsys.readouterr().out
     assert "advice: growth: stacking-map-continue" in said and "the advice above is 'growth'" in said
     assert load_config(json.loads(out.read_text())).multilevel.cycle == "f"
-    # --growth writes the published growth asked for, whatever the advice; an unknown one is refused
+    # --growth writes the growth asked for, whatever the advice; an unknown one is refused
     assert tool.main(["--config", str(config), "--benchmarks", str(tmp_path), "--write", str(out),
                       "--growth", "gstack"]) == 0
     assert "written: " in capsys.readouterr().out
     asked = load_config(json.loads(out.read_text())).multilevel
     assert (asked.cycle, asked.num_levels, asked.depth_scaling) == ("grow", 3, "none")  # a quarter depth, plain copies
     assert (asked.optimizer_state, asked.lr_schedule) == ("reset", "restart")
-    for argv in (["--growth", "msg", "--write", str(out)], ["--growth", "gstack"]):
+    # MSG with the recipe's levers, where it saved the most, is written as the study ran it
+    rows["points"][1]["methods"]["msg"] = {"family": "msg", "equal_quality": {"median": 0.4}}
+    (tmp_path / "regime.json").write_text(json.dumps(rows))
+    assert tool.main(["--config", str(config), "--benchmarks", str(tmp_path), "--write", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "advice: growth: MSG with the recipe's levers" in said and "written: " in said
+    masked = load_config(json.loads(out.read_text()))
+    assert (masked.multilevel.cycle, masked.multilevel.depth_scaling) == ("grow", "none")  # plain copies
+    assert masked.multilevel.growth_mask_steps == 10  # masked in over 5% of the 199 steps from scratch
+    assert (masked.multilevel.optimizer_state, masked.multilevel.lr_schedule) == ("map", "continue")
+    assert masked.multilevel.levels[1].steps_before in (19, 20)  # a tenth at half depth
+    assert masked.multilevel.levels[0].lr_after.warmup_steps == 0  # no second warm-up
+    for argv in (["--growth", "ligo", "--write", str(out)], ["--growth", "gstack"]):
         with pytest.raises(SystemExit):
             tool.main(["--config", str(config), "--benchmarks", str(tmp_path), *argv])
         assert "--growth" in capsys.readouterr().err

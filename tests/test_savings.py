@@ -302,24 +302,31 @@ def test_the_shipped_configs_are_the_benchmarks_recipe(name, steps, fine_lr, war
 @pytest.mark.parametrize("name, method, flags, small_steps", [
     ("gpt_base_grow.json", "stacking", ["--methods", "stacking", "--depth-scaling", "ode"], 50_000),
     ("gpt_base_gstack.json", "gstack", ["--methods", "gstack", "--gstack-factor", "4", "--gstack-share", "0.1"], 10_000),
+    ("gpt_base_msg.json", "msg", ["--methods", "msg", "--coarse-share", "0.1", "--optimizer-state", "map",
+                                  "--lr-schedule", "continue", "--after-warmup", "0", "--msg-mask-share", "0.05"], 10_000),
 ])
 def test_the_shipped_growth_configs_are_the_growths_as_the_study_ran_them(name, method, flags, small_steps):
     """configs/gpt_base_grow.json (the planner's advice for GPT-Base until MSG's run) is progressive
-    stacking as published and configs/gpt_base_gstack.json G_stack as published, each as the benchmark runs it
-    (the flags), at GPT-Base's budget: stacking's half of the steps at half depth, G_stack's tenth
-    at a quarter depth; AdamW and the schedule restarted."""
-    from megatron_multilevel.study.variants import PUBLISHED_GROWTHS
+    stacking as published, configs/gpt_base_gstack.json G_stack as published (AdamW and the schedule
+    restarted) and configs/gpt_base_msg.json (the planner's advice since) MSG with the recipe's
+    levers, each as the benchmark runs it (the flags), at GPT-Base's budget: stacking's half of the
+    steps at half depth, G_stack's tenth at a quarter depth, MSG's tenth at half depth."""
+    from megatron_multilevel.study.variants import GROWTHS
 
     data = json.loads((ROOT / "configs" / name).read_text())
     base = {k: v for k, v in data.items() if k != "multilevel"}
-    made = variant_configs(base, steps=100_000, fine_lr=6e-4, warmup=2000, after_warmup=2000, methods=[method],
-                           **PUBLISHED_GROWTHS[method]["settings"])[method]
+    made = variant_configs(base, steps=100_000, fine_lr=6e-4, warmup=2000, methods=[method],
+                           **{"after_warmup": 2000, **GROWTHS[method]["settings"]})[method]
     tool = _tool()
     args = tool.parse_args(tool.build_parser(), ["--size", "tiny", "--steps", "100", *flags])
     benchmark = tool.variants(args, tool.base_config(args))[method]["multilevel"]
     assert load_config(made).multilevel == load_config(data).multilevel
     for key in ("cycle", "num_levels", "depth_scaling", "optimizer_state", "lr_schedule", "depth_pairing"):
         assert benchmark[key] == data["multilevel"][key], key
+    # MSG's mask over the same share of the steps (the benchmark's 100, the config's 100,000)
+    assert benchmark.get("growth_mask_steps", 0) * 1000 == data["multilevel"].get("growth_mask_steps", 0)
+    after = [m["levels"][0]["lr_after"]["warmup_steps"] for m in (benchmark, data["multilevel"])]
+    assert (after[0] == 0) == (after[1] == 0)  # a second warm-up after growth in both, or in neither
     assert data["multilevel"]["levels"][-1]["steps_before"] == small_steps  # the small model's share of the steps
 
 

@@ -107,12 +107,12 @@ def config_budget(path: str, data_parallel: int = 1) -> dict:
 def planned_config(budget: dict, schedule: dict, growth: "str | None" = None) -> dict:
     """The config of ``budget`` (:func:`config_budget`) with the recipe's multilevel block at the
     planned coarse share and second visit, for its from-scratch steps, peak rate and warm-up; with
-    ``growth`` (a name of ``PUBLISHED_GROWTHS``), that published growth's block instead."""
-    from megatron_multilevel.study.variants import PUBLISHED_GROWTHS, RECIPE, variant_configs
+    ``growth`` (a name of ``GROWTHS``), that growth's block instead."""
+    from megatron_multilevel.study.variants import GROWTHS, RECIPE, variant_configs
 
     base = {k: v for k, v in budget["raw"].items() if k != "multilevel"}
     if growth is not None:
-        method, settings = growth, {**PUBLISHED_GROWTHS[growth]["settings"], "after_warmup": budget["warmup"]}
+        method, settings = growth, {"after_warmup": budget["warmup"], **GROWTHS[growth]["settings"]}
     else:
         method, settings = "fcycle2", {**RECIPE, "coarse_share": round(schedule["coarse_share"], 3)}
         if schedule.get("revisit") is not None:
@@ -125,9 +125,9 @@ def planned_config(budget: dict, schedule: dict, growth: "str | None" = None) ->
 def growth_name(method: str) -> str:
     """What a growth method of the studies is, as a run of this project makes it (its name where it
     is not a published form)."""
-    from megatron_multilevel.study.variants import PUBLISHED_GROWTHS
+    from megatron_multilevel.study.variants import GROWTHS
 
-    return PUBLISHED_GROWTHS[method]["about"] if method in PUBLISHED_GROWTHS else method
+    return GROWTHS[method]["about"] if method in GROWTHS else method
 
 
 def describe(result: dict) -> str:
@@ -176,9 +176,9 @@ def main(argv=None) -> int:
     p.add_argument("--config", help="a GPT config: its model and budget (train_steps x batch x sequence; a "
                                     "multilevel config's compute in tokens of the full model)")
     p.add_argument("--write", help="with --config: write the config with the planned multilevel block here (the "
-                                   "advised published growth, else the nearest measured point's schedule, also "
+                                   "advised growth, else the nearest measured point's schedule, also "
                                    "where the advice is not multilevel)")
-    p.add_argument("--growth", default=None, help="with --write: write this published growth (stacking, gstack) "
+    p.add_argument("--growth", default=None, help="with --write: write this growth (stacking, gstack, msg) "
                                                   "whatever the advice")
     p.add_argument("--data-parallel", "--data_parallel", type=int, default=1,
                    help="with --config and no train_batch_size: the data-parallel size of the global batch")
@@ -191,10 +191,10 @@ def main(argv=None) -> int:
         p.error("give --params and --tokens, or --config, or --validate")
     if args.write and not args.config:
         p.error("--write goes with --config")
-    from megatron_multilevel.study.variants import PUBLISHED_GROWTHS
+    from megatron_multilevel.study.variants import GROWTHS
 
-    if args.growth is not None and (not args.write or args.growth not in PUBLISHED_GROWTHS):
-        p.error(f"--growth {args.growth!r}: it goes with --write and is one of {sorted(PUBLISHED_GROWTHS)}")
+    if args.growth is not None and (not args.write or args.growth not in GROWTHS):
+        p.error(f"--growth {args.growth!r}: it goes with --write and is one of {sorted(GROWTHS)}")
     from megatron_multilevel.study.planner import leave_one_out, plan
 
     points = read_points(args.benchmarks)
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     print(json.dumps(result, indent=1) if args.json else describe(result))
     if args.write:  # the growth asked for, else the advised one, else the schedule to train multilevel with
         growth = result["growth"]["method"] if result["advice"] == "growth" else None
-        growth = args.growth or (growth if growth in PUBLISHED_GROWTHS else None)
+        growth = args.growth or (growth if growth in GROWTHS else None)
         with open(args.write, "w") as f:
             json.dump(planned_config(budget, result["schedule"], growth), f, indent=2)
             f.write("\n")
