@@ -679,6 +679,18 @@ def test_study_rows_and_their_table(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_saving_says_what_its_seeds_run_at_the_full_budget_only_did():
+    """A method with fractions in one seed and the full budget only in another: the second seed
+    is no miss, and the saving's text says what it did."""
+    from megatron_multilevel.study.savings import format_saving, summarize
+
+    block = {**summarize([0.181, None]), "at_least": 0, "one_budget": 1, "full_budget_reached": 1,
+             "zero_or_more": False}
+    assert format_saving(block) == ("18.1% (18.1 to 18.1), 1/2 (1 more at the full budget only: scratch's loss "
+                                    "reached in 1/1)")
+    assert format_saving({**block, "one_budget": 0, "full_budget_reached": 0}) == "18.1% (18.1 to 18.1), 1/2"
+
+
 def test_the_regime_plot_takes_every_regime_pin_with_a_cycle(tmp_path):
     """The regime plot holds the other regime pins' points (regime, regime2, regime3), but not a
     pin of growths only, which has no cycle's saving to plot."""

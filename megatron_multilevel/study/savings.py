@@ -171,8 +171,11 @@ def format_saving(s: dict) -> str:
     if not s["reached"]:
         return f"not reached, 0/{s['n']}"
     bound = f" (at least, in {s['at_least']} of them: the smallest budget reached it)" if s.get("at_least") else ""
+    # seeds run at the full budget only beside seeds with fractions: not misses, so say what they did
+    more = (f" ({s['one_budget']} more at the full budget only: scratch's loss reached in "
+            f"{s['full_budget_reached']}/{s['one_budget']})" if s.get("one_budget") else "")
     return (f"{100 * s['median']:.1f}% ({100 * s['min']:.1f} to {100 * s['max']:.1f}), "
-            f"{s['reached']}/{s['n']}{bound}")
+            f"{s['reached']}/{s['n']}{bound}{more}")
 
 
 MULTILEVEL_FAMILIES = ("vcycle", "wcycle", "fcycle", "ode")
