@@ -286,22 +286,26 @@ LONG_8X32+=(
 # pin; G_stack as published first (the most on 8 x 32 at 80) with its fractions, then the others as
 # on 8 x 32 at the full budget, then the fractions of those that reach scratch there (MSG, LiGO).
 LONG3_4X64=(
-  "$GSTACK --fractions 1.0"
-  "$GSTACK --fractions 0.8 0.6"
-  "${MSG/0.8/0.1} --fractions 1.0"
-  "${LIGO/0.8/0.1} --fractions 1.0"
-  "--methods bert2bert --bert2bert-init aki --coarse-share 0.1 --optimizer-state reset --lr-schedule restart --fractions 1.0"
-  "${MSG/0.8/0.1} --fractions 0.8 0.6"
-  "${LIGO/0.8/0.1} --fractions 0.8 0.6"
-  "--methods bert2bert --coarse-share 0.1 --optimizer-state reset --lr-schedule restart --fractions 1.0"
+  "once: $GSTACK --fractions 1.0"
+  "once: $GSTACK --fractions 0.8 0.6"
+  "once: ${MSG/0.8/0.1} --fractions 1.0"
+  "once: ${LIGO/0.8/0.1} --fractions 1.0"
+  "once: --methods bert2bert --bert2bert-init aki --coarse-share 0.1 --optimizer-state reset --lr-schedule restart --fractions 1.0"
+  "once: ${MSG/0.8/0.1} --fractions 0.8 0.6"
+  "once: ${LIGO/0.8/0.1} --fractions 0.8 0.6"
+  "once: --methods bert2bert --coarse-share 0.1 --optimizer-state reset --lr-schedule restart --fractions 1.0"
   # MSG ended 0.035 under this pin's scratch, twice stacking as published's lead on the regime pin:
   # the same growth without the mask, and the F-cycle, at the same 10% share on this pin
-  "${STACK_SHARE02//0.2/0.1} --fractions 1.0"
-  "--recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 1.0"
-  "$STACK_PUBLISHED --fractions 1.0"
+  "once: ${STACK_SHARE02//0.2/0.1} --fractions 1.0"
+  "once: --recipe --coarse-share 0.1 --tag=-coarse0.1 --fractions 1.0"
+  "once: $STACK_PUBLISHED --fractions 1.0"
+  # MSG led that control by 0.018: a second seed of the two, MSG with its fractions
+  "later: ${MSG/0.8/0.1} --fractions 1.0"
+  "later: ${STACK_SHARE02//0.2/0.1} --fractions 1.0"
+  "later: ${MSG/0.8/0.1} --fractions 0.8 0.6"
 )
 POINTS[long3-4x64-18800]="--size cpu-4x64 --steps 18800"
-SEEDS[long3-4x64-18800]=1
+SEEDS[long3-4x64-18800]=2
 
 # the paper's 2-level V-cycle (width and depth, E_a 5%, alpha 0.5: its BERT-Base schedule)
 VCYCLE2_PAPER="--methods vcycle2 --shape width+depth --ea 0.05 --coarse-share 0.5 --alpha 0.5 --tag=-paper"
