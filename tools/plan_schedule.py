@@ -124,7 +124,7 @@ def planned_config(budget: dict, schedule: dict, growth: "str | None" = None) ->
 
 def growth_name(method: str) -> str:
     """What a growth method of the studies is, as a run of this project makes it (its name where it
-    is not a published form)."""
+    is not one the planner writes)."""
     from megatron_multilevel.study.variants import GROWTHS
 
     return GROWTHS[method]["about"] if method in GROWTHS else method
