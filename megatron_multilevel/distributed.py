@@ -118,6 +118,21 @@ def clear_stale_extension_locks(max_age: float = STALE_LOCK_SECONDS) -> list[str
     return removed
 
 
+def shutdown_distributed() -> None:
+    """Destroy Megatron's parallel groups and every process group, before the interpreter exits.
+
+    A process that exits with its groups alive leaves gloo's worker threads to be torn down with the
+    interpreter, which now and then aborts a rank whose run had finished ("terminate called without
+    an active exception", exit -6: pytorch/pytorch#190489); on GPU, NCCL warns of the same. torch
+    does not destroy them at exit itself, so the run does, once every collective is done."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_single_process() -> None:
     """A one-rank process group for a tool's own process, unless one exists (file rendezvous: no
     port that another run could hold)."""

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning)
-    from megatron_multilevel.distributed import init_distributed
+    from megatron_multilevel.distributed import init_distributed, shutdown_distributed
     from megatron_multilevel.training.checkpoint import CheckpointError
     from megatron_multilevel.training.trainer import Trainer, TrainingError
 
@@ -104,7 +104,9 @@ def main(argv=None) -> int:
             run_baseline(cfg, baseline)
     except (ValueError, TrainingError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        shutdown_distributed()
         return 1
+    shutdown_distributed()
     return 0
 
 
