@@ -24,11 +24,12 @@ def _entry(fn, rank, world_size, workdir, tensor_model_parallel_size, args):
         import warnings
 
         warnings.filterwarnings("ignore")
-        from megatron_multilevel.distributed import init_distributed
+        from megatron_multilevel.distributed import init_distributed, shutdown_distributed
 
         init_distributed(tensor_model_parallel_size, init_method=f"file://{workdir}/rendezvous", rank=rank,
                          world_size=world_size)
         torch.save({"ok": True, "result": fn(rank, world_size, *args)}, out)
+        shutdown_distributed()  # as a run does: no gloo threads left to the interpreter's teardown
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()}, out)
         raise
