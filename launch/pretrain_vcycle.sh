@@ -74,6 +74,20 @@ if [[ ! -f "$config" ]]; then
 fi
 
 python_bin="${PYTHON:-python}"
+if ! "$python_bin" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)" 2>/dev/null
+then
+  found="cannot import deepspeed"
+  command -v "$python_bin" >/dev/null || found="is not found"
+  echo "pretrain_vcycle.sh: '$python_bin' $found: activate the project's environment (source .venv/bin/activate)," \
+       "create it first if needed (make setup), or name another python with PYTHON=..." >&2
+  exit 2
+fi
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+# The config and its overrides, checked as the ranks will check them, before anything is spawned.
+"$python_bin" -m megatron_multilevel.config --config "$config" "${module_args[@]}" "${overrides[@]}" || exit $?
+# It has shown the config's warnings; the ranks, checking the same config, do not repeat them.
+export PYTHONWARNINGS="ignore::UserWarning:megatron_multilevel.config.run${PYTHONWARNINGS:+,$PYTHONWARNINGS}"
+
 if ! "$python_bin" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   # CPU: one process unless asked otherwise (the DeepSpeed launcher would start one per NUMA node).
   if [[ $procs_given -eq 0 ]]; then launcher+=(--num_gpus 1); fi
@@ -99,7 +113,15 @@ else:
 fi
 # DeepSpeed compiles small ops at run time; keep them in one place so that every run pays once.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extensions}"
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 
-exec "$python_bin" -m deepspeed.launcher.runner "${launcher[@]}" --module megatron_multilevel.pretrain \
+runner=(-m deepspeed.launcher.runner)
+if [[ $multi_node -eq 0 ]]; then
+  # One node and no hostfile is what is meant: the runner's warning that it found none is dropped.
+  runner=(-c 'import logging, sys
+from deepspeed.launcher.runner import main
+logging.getLogger("DeepSpeed").addFilter(lambda r: not r.getMessage().startswith("Unable to find hostfile"))
+sys.argv[0] = "deepspeed"
+main()')
+fi
+exec "$python_bin" "${runner[@]}" "${launcher[@]}" --module megatron_multilevel.pretrain \
   --config "$config" "${module_args[@]}" "${overrides[@]}"

@@ -94,6 +94,7 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore", category=UserWarning)
     from megatron_multilevel.distributed import init_distributed, shutdown_distributed
+    from megatron_multilevel.study.baseline import report_baseline
     from megatron_multilevel.training.checkpoint import CheckpointError
     from megatron_multilevel.training.trainer import Trainer, TrainingError
 
@@ -102,6 +103,8 @@ def main(argv=None) -> int:
         Trainer(cfg).run()
         if baseline is not None:
             run_baseline(cfg, baseline)
+            if torch.distributed.get_rank() == 0:
+                report_baseline(cfg.training.output_dir, baseline.training.output_dir)
     except (ValueError, TrainingError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         shutdown_distributed()

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_multilevel.training.metrics import read_metrics
+from megatron_multilevel.records import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = ROOT / "launch" / "pretrain_vcycle.sh"

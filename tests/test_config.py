@@ -35,7 +35,7 @@ ACCEPTED = {
     ],
     MultilevelConfig: [
         "alpha", "coalesce_depth", "coalesce_width", "depth_pairing", "depth_scaling", "enabled",
-        "cycle", "growth_mask_steps", "growth_operator", "interpolation", "keep_fine", "levels", "ligo_lr", "ligo_steps",
+        "cycle", "grown_moments", "growth_mask_steps", "growth_operator", "interpolation", "keep_fine", "levels", "ligo_lr", "ligo_steps",
         "lr_schedule", "num_levels", "ode",
         "optimizer_state", "perturbation_std", "strategy",
         "width_growth", "width_pairing",
@@ -140,7 +140,7 @@ def test_unknown_top_level_key_lists_valid_keys():
         ({"data": {"seq_length": 256}}, r"data.seq_length = 256 exceeds model.max_sequence_length = 128"),
         ({"data": {"prefix": "x"}}, r"data.prefix and data.tokenizer_model go together"),
         ({"data": {"split": "98,0,2"}}, r"needs a validation share"),
-        ({"training": {"lr": {"decay": "step"}}}, r"valid choices are \['cosine', 'linear', 'constant'\]"),
+        ({"training": {"lr": {"decay": "step"}}}, r"valid choices are \['cosine', 'linear', '1-sqrt', 'constant'\]"),
         ({"scheduler": {"type": "WarmupLR"}}, r"DeepSpeed's 'scheduler' is not used"),
         ({"parallel": {"tensor_model_parallel_size": 3}}, r"tensor_model_parallel_size = 3 does not divide model.num_attention_heads"),
         ({"model": []}, r"config.model: expected an object"),
@@ -347,3 +347,35 @@ def test_one_learning_rate_for_a_run_from_scratch():
         run = load_config({"optimizer": adamw, "multilevel": {"enabled": True, "levels": levels}})
     baseline = baseline_config(run)
     assert baseline.training.lr.peak == 0.002 == baseline.deepspeed["optimizer"]["params"]["lr"]
+
+
+def _grow(**multilevel) -> dict:
+    return _cycle("grow", **{"coalesce_width": False, "depth_pairing": "halves", **multilevel})
+
+
+@pytest.mark.parametrize(
+    "multilevel, message",
+    [
+        (dict(growth_operator="random", optimizer_state="map"), r"set multilevel.grown_moments to 'zero'"),
+        (dict(growth_operator="random", depth_scaling="ode"), r"valid choices are \['none', 'identity'\]"),
+        (dict(growth_operator="random", coalesce_width=True), r"coalesce_depth true and coalesce_width false"),
+        (dict(grown_moments="zero"), r"with optimizer_state 'reset' every moment starts afresh"),
+        (dict(grown_moments="fresh", optimizer_state="map"), r"valid choices are \['map', 'zero'\]"),
+    ],
+    ids=["random-needs-zero-moments", "random-ode", "random-width", "zero-moments-reset", "bad-moments"],
+)
+def test_growth_of_new_layers_is_checked(multilevel, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(_grow(**multilevel))
+
+
+def test_random_growth_needs_a_grown_level():
+    data = _cycle("v", coalesce_width=False, growth_operator="random")
+    with pytest.raises(ValueError, match=r"cycle 'v' grows no level"):
+        load_config(data)
+
+
+def test_random_growth_and_zero_moments_are_accepted():
+    cfg = load_config(_grow(growth_operator="random", optimizer_state="map", grown_moments="zero",
+                            depth_scaling="identity"))
+    assert (cfg.multilevel.growth_operator, cfg.multilevel.grown_moments) == ("random", "zero")

@@ -12,7 +12,7 @@ import pytest
 
 from launch_helpers import ROOT, launch, make_corpus, preprocess, records, small_config
 from megatron_multilevel.config import load_config
-from megatron_multilevel.training.metrics import read_metrics
+from megatron_multilevel.records import read_metrics
 
 DEFAULT_CONFIG = ROOT / "configs" / "gpt_tiny_cpu.json"
 

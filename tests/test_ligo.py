@@ -13,7 +13,7 @@ from megatron_multilevel.level_maps import make_level_map
 from megatron_multilevel.operators import coalesce, decoalesce
 from megatron_multilevel.plan import layer_prefix
 from megatron_multilevel.study.variants import variant_configs
-from megatron_multilevel.training.ligo import initial_coefficients, learn_depth_operator
+from megatron_multilevel.growth.ligo import initial_coefficients, learn_depth_operator
 
 
 def _grown(variant: str, scaling: str):

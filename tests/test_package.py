@@ -4,13 +4,13 @@ from pathlib import Path
 import megatron_multilevel
 
 PACKAGE = Path(megatron_multilevel.__file__).parent
-README = (PACKAGE.parent / "README.md").read_text()
 
 # The pure layer: operators on full tensors, the per-parameter plan and level maps, the config package,
 # the cycle's shape and the FLOPs accounting. They must not depend on torch.distributed, Megatron or
 # DeepSpeed, and neither may any module of the package they import, followed through the imports
 # themselves (not a list of files), so that the rule keeps holding as code moves.
-PURE = ["operators", "ode_operators", "level_maps", "plan", "config", "cycles", "flops"]
+PURE = ["operators", "ode_operators", "level_maps", "plan", "config", "cycles", "flops", "methods", "records",
+        "growth.fresh"]
 FORBIDDEN = ("torch.distributed", "megatron.", "deepspeed")
 
 
@@ -74,21 +74,6 @@ def test_operators_are_pure():
                 assert not module.startswith(FORBIDDEN), (root, "imports", name, "which imports", module)
 
 
-def test_public_api_is_listed_in_readme():
-    for name in megatron_multilevel.__all__:
-        assert f"`{name}`" in README, name
-        assert hasattr(megatron_multilevel, name)
-
-
-def test_readme_holds_the_two_commands():
-    assert "make run" in README and "make test" in README
-    assert "launch/pretrain_vcycle.sh" in README and "python -m pytest -q tests" in README
-    makefile = (PACKAGE.parent / "Makefile").read_text()
-    assert "launch/pretrain_vcycle.sh" in makefile and '-m pytest -q tests' in makefile
-    ci = (PACKAGE.parent / ".ci" / "run").read_text()
-    assert "make test" in ci
-
-
 def _all_modules():
     return sorted(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
                   for p in PACKAGE.rglob("*.py"))
@@ -124,3 +109,31 @@ def test_no_import_loop():
 def test_config_imports_nothing_from_training_or_parallel():
     reached = _reached("megatron_multilevel.config")
     assert not [m for m in reached if m.startswith(("megatron_multilevel.training", "megatron_multilevel.parallel"))]
+
+
+def _package_imports(name):
+    """The package's modules that module ``name``'s import statements name (at any depth)."""
+    return {m for module, names in _imports(_module_file(name)) for m in _package_modules(module, names)}
+
+
+def _all_modules():
+    return ["megatron_multilevel." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+            for p in PACKAGE.rglob("*.py")]
+
+
+def test_the_study_stands_apart_from_the_product():
+    """``study/`` (the savings arithmetic, the compared methods' configs, the report) reads only the
+    ground floor (config, flops, methods, records): nothing of training, the parallel layer or the
+    models; and of the package only the entry point, which reports a run's saving, imports it."""
+    modules = _all_modules()
+    study = [m for m in modules if m.startswith("megatron_multilevel.study")]
+    assert study, modules
+    forbidden = ("megatron_multilevel.training", "megatron_multilevel.parallel", "megatron_multilevel.models")
+    for name in study:
+        for used in _package_imports(name):
+            assert not used.startswith(forbidden), (name, "imports", used)
+    for name in modules:
+        if name.startswith("megatron_multilevel.study") or name == "megatron_multilevel.pretrain":
+            continue
+        for used in _package_imports(name):
+            assert not used.startswith("megatron_multilevel.study"), (name, "imports", used)

@@ -15,7 +15,7 @@ from megatron_multilevel.level_maps import make_level_map, run_level_maps
 from megatron_multilevel.operators import decoalesce
 from megatron_multilevel.plan import layer_prefix
 from megatron_multilevel.study.variants import compress, gstack_growth_tokens, variant_configs
-from megatron_multilevel.training.growth_mask import growth_mask, grown_layers, transformer_layers
+from megatron_multilevel.growth.mask import growth_mask, grown_layers, transformer_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -297,5 +297,5 @@ def _plan_tool():
 def test_a_bert_config_is_refused_with_what_was_measured_on_bert():
     """The law is GPT's: a BERT config gets one line saying so and where BERT's measurements are."""
     tool = _plan_tool()
-    with pytest.raises(SystemExit, match=r"bert model; the law is fitted to GPT only .*docs/benchmarks.md, 'BERT'"):
+    with pytest.raises(SystemExit, match=r"bert model; the law is fitted to GPT only .*benchmarks/JOURNAL.md, 'BERT'"):
         tool.main(["--config", str(ROOT / "configs" / "bert_base.json")])

@@ -8,7 +8,8 @@ import pytest
 
 from launch_helpers import ROOT, make_corpus, preprocess
 from megatron_multilevel.config import load_config
-from megatron_multilevel.study.report import collect, family, normalized_at_flops, normalized_seconds, table
+from megatron_multilevel.methods import family
+from megatron_multilevel.study.report import collect, normalized_at_flops, normalized_seconds, table
 from megatron_multilevel.study.runs import kept_runs, reusable
 from megatron_multilevel.study.savings import at_fraction, equal_quality, first_crossing, run_savings, summarize
 from megatron_multilevel.study.variants import compress, variant_configs

@@ -182,6 +182,17 @@ def test_warmup_stable_decay_by_hand():
             LRConfig(decay_fraction=bad)
 
 
+def test_one_minus_sqrt_cooldown_by_hand():
+    """``decay = "1-sqrt"`` over the last 4 of 12 steps (no warm-up), to 0: the peak up to step 8,
+    then 1 - sqrt(progress), progress (step - 8) / 4: 1, 1 - 0.5, 1 - sqrt(1/2) = 0.29289,
+    1 - sqrt(3/4) = 0.13397, then 0 at the end."""
+    wsd = LRConfig(decay="1-sqrt", min_ratio=0.0, decay_fraction=1 / 3)
+    assert [lr_factor(s, 12, wsd) for s in range(13)] == pytest.approx(
+        [1.0] * 9 + [0.5, 0.292893, 0.133975, 0.0], abs=1e-6)
+    # with a floor: min_ratio + (1 - min_ratio) * shape, step 9: 0.2 + 0.8 * 0.5
+    assert lr_factor(9, 12, LRConfig(decay="1-sqrt", min_ratio=0.2, decay_fraction=1 / 3)) == pytest.approx(0.6)
+
+
 def _run_cosine(step: int, total: int, warmup: int = 0, min_ratio: float = 0.1) -> float:
     """The run-wide schedule worked out by hand: linear warm-up, then cosine to ``min_ratio``."""
     if step < warmup:

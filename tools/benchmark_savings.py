@@ -38,7 +38,9 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 from megatron_multilevel.level_maps import DEPTH_SCALINGS  # noqa: E402
-from megatron_multilevel.study.report import collect, family, shape_name, table  # noqa: E402
+from megatron_multilevel.methods import NAMES, family  # noqa: E402
+from megatron_multilevel.study.late import add_schedule_flags  # noqa: E402
+from megatron_multilevel.study.report import collect, shape_name, table  # noqa: E402
 from megatron_multilevel.study.runs import reusable, run_result, source_commit, write_json  # noqa: E402
 from megatron_multilevel.study.sizes import SIZES, adamw  # noqa: E402
 
@@ -100,6 +102,7 @@ def fine_lr(args) -> float:
 
 def variants(args, base: dict) -> dict[str, dict]:
     from megatron_multilevel.study.savings import MULTILEVEL_FAMILIES
+    from megatron_multilevel.study.late import late_configs, with_schedule
     from megatron_multilevel.study.variants import variant_configs
 
     size = SIZES[args.size]
@@ -108,17 +111,20 @@ def variants(args, base: dict) -> dict[str, dict]:
     common = dict(steps=steps, coarse_lr_factor=args.coarse_lr_factor, warmup=max(1, steps // 25),
                   after_warmup=after_warmup, budget=args.budget, perturbation_std=args.perturbation)
     out = {}
-    for lr in args.scratch_lr or [fine_lr(args)]:
-        for decay in args.scratch_decay_fraction:
+    for lr, decay, shape in ((lr, d, shape) for lr in args.scratch_lr or [fine_lr(args)]
+                             for d in args.scratch_decay_fraction for shape in args.scratch_decay):
             # the size's own rate is plain "scratch" (every earlier result's name), any other is named
             # (also under --fine-lr: one name, one config, whatever the other methods' rate); so is
             # a decay over the last part of the steps only (warm-up, stable, decay)
             other = args.scratch_optimizer == "adamw" and "optimizer" in size  # a size of SGD trained by AdamW
             name = "scratch" if lr == size["fine_lr"] and not other else f"scratch{'-adamw' * other}-lr{lr:g}"
-            name += "" if decay == 1.0 else f"-wsd{decay:g}"
+            name += ("" if decay == 1.0 else f"-wsd{decay:g}") + ("" if shape == "cosine" else f"-{shape}")
             out[name] = variant_configs({**base, "optimizer": adamw(lr)} if other else base, fine_lr=lr, methods=[],
                                         **common)["scratch"]
             out[name]["training"]["lr"]["decay_fraction"] = decay
+            if shape != "cosine":
+                out[name]["training"]["lr"]["decay"] = shape
+            out[name] = with_schedule(out[name], min_ratio=args.min_ratio)
     given = dict(fine_lr=fine_lr(args), ea=args.ea[0], coarse_share=args.coarse_share[0], alpha=args.alpha[0],
                  depth_scaling=args.depth_scaling, shape=args.shape, depth_pairing=args.depth_pairing,
                  fcycle_revisit=args.fcycle_revisit, optimizer_state=args.optimizer_state,
@@ -133,6 +139,11 @@ def variants(args, base: dict) -> dict[str, dict]:
         return variant_configs(base, **{**given, **change})
 
     main = methods()
+    if {"late", "source"} & set(args.methods):
+        main.update(late_configs(main["scratch"], steps=steps, fine_lr=fine_lr(args), warmup=common["warmup"],
+                                 share=args.late_share, layers=args.late_layers, init=args.late_init,
+                                 optimizer_state=args.optimizer_state, grown_moments=args.grown_moments or "zero",
+                                 lr_schedule=args.lr_schedule, after_warmup=after_warmup, budget=args.budget))
     for name in args.methods:
         # bert2bert grown by AKI is named apart from the FPI runs (results of both can share --results)
         out[name + "-aki" if name == "bert2bert" and args.bert2bert_init == "aki" else name] = main[name]
@@ -153,6 +164,10 @@ def variants(args, base: dict) -> dict[str, dict]:
         if shape != args.shape:
             for name in cycles:
                 out[f"{name}-{shape}"] = methods(shape=shape)[name]
+    # every method's schedule as the flags say (warmup-stable-decay: --decay-fraction below 1)
+    out = {name: cfg if name.startswith("scratch") else with_schedule(
+        cfg, decay=args.decay, decay_fraction=args.decay_fraction, min_ratio=args.min_ratio,
+        grown_moments=args.grown_moments) for name, cfg in out.items()}
     # a tag names the settings, so that variants of one method can share a results directory
     return {name if name.startswith("scratch") else name + args.tag: cfg for name, cfg in out.items()}
 
@@ -326,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scratch-decay-fraction", "--scratch_decay_fraction", type=float, nargs="+", default=[1.0],
                    help="training from scratch with its decay over this share of the steps after warm-up, the peak "
                         "held before it (warm-up, stable, decay); several: each is run, the best is the baseline")
+    add_schedule_flags(p)
     p.add_argument("--scratch-optimizer", "--scratch_optimizer", choices=["size", "adamw"], default="size",
                    help="training from scratch with the size's optimizer, or with AdamW at the --scratch-lr rates "
                         "(a size of SGD: both candidates for the best baseline)")
@@ -399,6 +415,9 @@ def main(argv=None) -> int:
                 seconds = launch(cfg, os.path.join(work, run + ".json"), args.procs)
                 result = run_result(cfg["training"]["output_dir"], method=name, fraction=fraction, seed=seed,
                                     version=version, commit=source_commit(ROOT), config=cfg)
+                data = result["config"].get("data", {})
+                if "cache_dir" in data:  # a place, not a setting: recorded where it lies in the repository
+                    data["cache_dir"] = repo_relative(data["cache_dir"])
                 write_json(kept, result)
                 print(f"seed {seed}: {run} done in {seconds:.0f} s, final validation loss "
                       f"{result['totals']['final_valid_loss']:.4f}", flush=True)
@@ -406,8 +425,22 @@ def main(argv=None) -> int:
     return 0
 
 
-METHODS = ["coarse", "vcycle2", "vcycle3", "wcycle2", "fcycle2", "stacking", "stacking3", "gstack", "msg", "ligo",
-           "bert2bert", "ode2"]
+METHODS = [name for name in NAMES if name != "scratch"]
+
+
+def repo_relative(arg: str) -> str:
+    """A path (or ``--flag=path``) in the repository, relative to it, so that kept records travel:
+    relative to this checkout, or to the one whose study worktree this is (``benchmarks/run_study.sh``
+    runs a pinned commit from ``<checkout>/.cache/study-<commit>``). Anything else is left as it is."""
+    head, eq, path = arg.partition("=") if arg.startswith("-") else ("", "", arg)
+    if not eq:
+        head, path = "", arg
+    common = subprocess.run(["git", "rev-parse", "--git-common-dir"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    for root in [ROOT] + ([os.path.dirname(os.path.abspath(os.path.join(ROOT, common)))] if common else []):
+        if os.path.isabs(path) and (path == root or path.startswith(root + os.sep)):
+            return head + eq + os.path.relpath(path, root)
+    return arg
 
 
 def report(args, base: dict, names: list[str], version: str, results_dir: str, started: float, argv) -> dict:
@@ -425,7 +458,8 @@ def report(args, base: dict, names: list[str], version: str, results_dir: str, s
         return {}
     times = kept_step_times(os.path.join(args.results or args.out, "step_time.json"), version, results)
     summary = collect(results, times)
-    summary.update(command="python tools/benchmark_savings.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    command = argv if argv is not None else sys.argv[1:]
+    summary.update(command=" ".join(["python tools/benchmark_savings.py"] + [repo_relative(a) for a in command]),
                    version=version, commits=sorted({r["commit"] for r in results}),
                    benchmark_seconds=time.time() - started, step_time=times, config=json.loads(json.dumps(base)))
     data = summary["config"]["data"]

@@ -21,7 +21,10 @@ underscores.
 """
 
 import argparse
+import contextlib
+import io
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -80,11 +83,40 @@ def parse_args(argv=None):
     return p.parse_args([a.replace("_", "-") if a in ("to_full", "to_hf", "from_hf", "init_run") else a for a in (argv or sys.argv[1:])])
 
 
+# DeepSpeed's print on every load of its CPU communication op, compiled or not (deepspeed/comm/torch.py)
+BUILT_NOTICE = re.compile(r"DeepSpeed \S+ built successfully\n?")
+STEPS = {
+    "to-hf": "loading it, converting its tensors to Hugging Face names, verifying the tensor round trip and the "
+             "logits, writing, then checking the written tokenizer and a greedy continuation",
+    "from-hf": "loading it, converting its tensors to Megatron names, verifying the tensor round trip and the "
+               "logits, writing",
+}
+
+
+def prepare_checks() -> None:
+    """Start the one-process group that the checks build their Megatron model in, saying so first:
+    on CPU, DeepSpeed loads its communication op there, compiling it the first time (a minute or
+    more, silently). Its print that the op was built, at every load, is dropped; all else passes."""
+    from megatron_multilevel.distributed import init_single_process
+
+    print("preparing the checks: a one-process Megatron environment (on CPU, DeepSpeed compiles its "
+          "communication op the first time: a minute or more)", flush=True)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            init_single_process()
+    finally:
+        sys.stdout.write("".join(line for line in printed.getvalue().splitlines(keepends=True)
+                                 if not BUILT_NOTICE.fullmatch(line)))
+
+
 def main(argv=None) -> int:
     from megatron_multilevel.compat import quiet_library_notices
 
     quiet_library_notices()  # before Megatron-Core builds a model: its known notices, dropped
     args = parse_args(argv)
+    if args.command in STEPS:  # before the imports, which take seconds
+        print(f"{args.command}: {args.source} -> {args.output}: {STEPS[args.command]}", flush=True)
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -109,12 +141,14 @@ def main(argv=None) -> int:
             convert.interpolate_checkpoint(args.source, args.output, alpha=args.alpha, other=args.other,
                                            fmt=args.format, overwrite=args.overwrite)
         elif args.command == "to-hf":
+            prepare_checks()
             convert.to_hf(args.source, args.output, overwrite=args.overwrite, tokenizer=args.tokenizer)
         elif args.command == "init-run":
             from megatron_multilevel.checkpoints.init_run import init_run
 
             init_run(args.source, args.config, args.output, num_gpus=args.num_gpus, overwrite=args.overwrite)
         else:
+            prepare_checks()
             convert.from_hf(args.source, args.output, fmt=args.format, overwrite=args.overwrite)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -122,7 +122,7 @@ def vcycle(model: dict, out_dir: str, dry_run: bool, peak_tflops: float) -> dict
     """Run the V-cycle through the launcher; per level: tokens/s, utilisation, transitions, memory."""
     from megatron_multilevel.config import load_config
     from megatron_multilevel.flops import flops_per_token
-    from megatron_multilevel.training.metrics import read_metrics
+    from megatron_multilevel.records import read_metrics
 
     shutil.rmtree(out_dir, ignore_errors=True)  # a fresh run, not a resumed one
     os.makedirs(out_dir)

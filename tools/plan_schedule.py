@@ -1,6 +1,6 @@
 """Which schedule to train a GPT with, at its size and token budget, from the committed study points.
 
-    python tools/plan_schedule.py --params 124e6 --tokens 2.6e9        # a size and a budget
+    python tools/plan_schedule.py --params 124M --tokens 2.6B          # a size and a budget (or 124e6, 2.6e9)
     python tools/plan_schedule.py --config configs/gpt_base.json        # a config's model and budget
     python tools/plan_schedule.py --config configs/gpt_base.json --write /tmp/planned.json  # ... and its schedule
     python tools/plan_schedule.py --validate                           # each point predicted by the others
@@ -9,7 +9,7 @@
 Reads the scale study (``benchmarks/study.json``, with its controls from ``benchmarks/controls.json``)
 and the regime study (``benchmarks/regime.json``, its later pins' points ``regime2.json`` and
 ``regime3.json``), all made by ``tools/study_report.py``. The law and the advice are
-``megatron_multilevel.study.planner``'s (docs/benchmarks.md, "The planner"): the smaller model alone
+``megatron_multilevel.study.planner``'s (benchmarks/JOURNAL.md, "The planner"): the smaller model alone
 where the study's control found it sufficient at the budget, training from scratch where the saving's
 interval does not lie above zero, else the multilevel schedule of the nearest measured point,
 with the saving the law expects and its uncertainty. Parameters count the embedding.
@@ -17,12 +17,44 @@ with the saving the law expects and its uncertainty. Parameters count the embedd
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 STUDIES = {"scale": "study.json", "regime": "regime.json", "regime2": "regime2.json", "regime3": "regime3.json"}
+SUFFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}  # thousand, million, billion, trillion
+
+
+def parse_count(text: str) -> float:
+    """A count as people write one: ``350M``, ``1.3B``, ``20B``, ``125k``, ``2T``, ``1.3e9``, ``124000000``."""
+    match = re.fullmatch(r"\s*([0-9_.]+(?:e[+-]?[0-9]+)?)\s*([kmbt]?)\s*", text, re.IGNORECASE)
+    try:
+        value = float(match[1]) * SUFFIXES[match[2].lower()] if match else math.nan
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{text!r} is not a positive count; give a number with an optional suffix k, M, B or T "
+                         "(thousand, million, billion, trillion), e.g. 350M, 1.3B, 125k or 1.3e9")
+    return value
+
+
+def count_argument(text: str) -> float:
+    """``parse_count`` as an argparse type: its message as the usage error."""
+    try:
+        return parse_count(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def human(count: float) -> str:
+    """``350M``, ``1.3B``, ``237k``: three significant digits and the suffix of ``parse_count``."""
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g}{suffix}"
+    return f"{count:.3g}"
 
 
 def read_points(benchmarks: str) -> list:
@@ -93,7 +125,7 @@ def config_budget(path: str, data_parallel: int = 1) -> dict:
     if cfg.model.kind != "gpt":
         raise SystemExit(f"plan_schedule: {path} is a {cfg.model.kind} model; the law is fitted to GPT only (on BERT "
                          "the half-depth model alone beat the full one at 0.07, 20 and 81 tokens per parameter: "
-                         "docs/benchmarks.md, 'BERT')")
+                         "benchmarks/JOURNAL.md, 'BERT')")
     ds = cfg.deepspeed
     batch = ds.get("train_batch_size") or (ds.get("train_micro_batch_size_per_gpu", 1)
                                             * ds.get("gradient_accumulation_steps", 1) * data_parallel)
@@ -130,22 +162,46 @@ def growth_name(method: str) -> str:
     return GROWTHS[method]["about"] if method in GROWTHS else method
 
 
+def size_of(point: dict) -> str:
+    return f"{human(point['parameters'])} parameters at {point['tokens_per_parameter']:.1f} tokens per parameter"
+
+
+def beyond(result: dict, key: str, fewest: str, most: str, show) -> "str | None":
+    """How far ``result[key]`` lies beyond the study points' range of it, or None inside it."""
+    times = result["beyond"][key]
+    if times <= 1.0:
+        return None
+    lo, hi = result[f"{key}_range"]
+    return (f"{times:.3g} times the {most} ({show(hi)})" if result[key] > hi else
+            f"1/{times:.3g} of the {fewest} ({show(lo)})")
+
+
 def describe(result: dict) -> str:
     s = result["schedule"]
     lo, hi = result["tokens_per_parameter_range"]
-    lines = [f"model: {result['parameters'] / 1e6:.2f}M parameters (embedding counted), "
-             f"{result['tokens'] / 1e6:.1f}M tokens: {result['tokens_per_parameter']:.1f} tokens per parameter",
+    fewest, most = result["parameters_range"]
+    lines = [f"model: {human(result['parameters'])} parameters (embedding counted), {human(result['tokens'])} "
+             f"tokens: {result['tokens_per_parameter']:.1f} tokens per parameter",
              f"expected FLOPs saving of the best multilevel schedule at equal quality: "
-             f"{100 * result['saving']:.1f}% +- {100 * result['interval']:.1f} "
-             f"(law fitted to {result['fit_points']} study points, {lo:.2f} to {hi:.1f} tokens per parameter)"]
-    if result["extrapolated"]:
-        lines.append("  beyond the measured tokens per parameter: an extrapolation, not a measurement")
+             f"{100 * result['saving']:.1f}% +- {100 * result['interval']:.1f} (law fitted to "
+             f"{result['fit_points']} study points of {human(fewest)} to {human(most)} parameters and {lo:.2f} to "
+             f"{hi:.1f} tokens per parameter)"]
+    size = beyond(result, "parameters", "smallest", "largest", lambda n: f"{human(n)} parameters")
+    if size:
+        carried = ("the law's size term carries the points' saving there" if result["size_term"] else
+                   "the law has no size term (the points cannot tell a size's effect from its budget's): its "
+                   f"saving is that of models of {human(fewest)} to {human(most)} parameters")
+        lines.append(f"  model size beyond the study points: {size}; {carried}: an extrapolation, not a measurement")
+    budget = beyond(result, "tokens_per_parameter", "fewest", "most", lambda t: f"{t:.3g}")
+    if budget:
+        lines.append(f"  tokens per parameter beyond the study points: {budget}: an extrapolation, not a measurement")
     advice = result["advice"]
     if advice == "smaller model":
         seeds = result.get("control_seeds")
         lines.append(f"advice: train the smaller (half-depth) model alone: at {result['control']}, with as many "
                      "or more tokens per parameter, it reached the best-tuned full model's final loss on the "
                      "same FLOPs" + ("" if not seeds else f" (in {seeds[0]} of its {seeds[1]} seeds)")
+                     + f", a model of {size_of(result['control_size'])}"
                      + "; a multilevel saving there shows only that the full model was not needed yet")
     elif advice == "scratch":
         lines.append("advice: train the full model from scratch: no multilevel schedule is shown to reach its "
@@ -153,26 +209,30 @@ def describe(result: dict) -> str:
     cycle = (f"F-cycle, {s['num_levels']} levels, depth only, coarse share {s['coarse_share']:.2f} of the steps, "
              f"E_a {s['ea']:.2f}" + ("" if s.get("revisit") is None else f", second coarse visit {s['revisit']:.2f} "
                                      "of the first") + f" (the best schedule of the nearest measured point, "
-             f"{result['from_point']})")
+             f"{result['from_point']}: {size_of(result['from_point_size'])})")
     growth = result.get("growth")
+    # a growth is measured at the nearest point's shape and budget (its own, or a later pin's)
+    grown = human(result["from_point_size"]["parameters"])
     if advice == "multilevel":
         lines.append(f"advice: multilevel: {cycle}")
     elif advice == "growth":
-        lines.append(f"advice: growth: {growth_name(growth['method'])}: at {growth['point']} it "
-                     f"saved {100 * growth['saving']:.1f}% of the FLOPs at equal quality, more than the best "
+        lines.append(f"advice: growth: {growth_name(growth['method'])}: at {growth['point']} it saved "
+                     f"{100 * growth['saving']:.1f}% of the FLOPs at equal quality on a model of {grown} "
+                     f"parameters, more than the best "
                      f"multilevel schedule there ({growth['cycle_method']}, {100 * growth['cycle_saving']:.1f}%); "
                      f"the law above is the cycles'. The multilevel schedule it beat: {cycle}")
     if growth is not None and advice == "smaller model":
         lines.append(f"  (were the full model trained: {growth_name(growth['method'])} saved "
-                     f"{100 * growth['saving']:.1f}% at {growth['point']}, the best multilevel schedule "
-                     f"{100 * growth['cycle_saving']:.1f}%)")
+                     f"{100 * growth['saving']:.1f}% at {growth['point']} ({grown} parameters), the best multilevel "
+                     f"schedule {100 * growth['cycle_saving']:.1f}%)")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--params", type=float, help="parameters of the full model, embedding counted")
-    p.add_argument("--tokens", type=float, help="training tokens of the run")
+    p.add_argument("--params", type=count_argument,
+                   help="parameters of the full model, embedding counted (350M, 1.3B, 1.3e9, ...)")
+    p.add_argument("--tokens", type=count_argument, help="training tokens of the run (20B, 2.6e9, ...)")
     p.add_argument("--config", help="a GPT config: its model and budget (train_steps x batch x sequence; a "
                                     "multilevel config's compute in tokens of the full model)")
     p.add_argument("--write", help="with --config: write the config with the planned multilevel block here (the "

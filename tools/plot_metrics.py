@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     parser.add_argument("--labels", nargs="*", default=None, help="legend labels, one per run")
     args = parser.parse_args(argv)
     from megatron_multilevel.study.plotting import plot_runs
-    from megatron_multilevel.training.metrics import METRICS_FILE, read_metrics
+    from megatron_multilevel.records import METRICS_FILE, read_metrics
 
     runs = {}
     for i, run in enumerate(args.runs):

@@ -32,7 +32,7 @@ from megatron_multilevel.parallel.streams import Groups, ModelReader, ModelWrite
 from megatron_multilevel.training import checkpoint
 from megatron_multilevel.training.checkpoint import checkpoint_dir, read_latest, state_of
 from megatron_multilevel.training.engines import LevelEngines
-from megatron_multilevel.training.metrics import METRICS_FILE
+from megatron_multilevel.records import METRICS_FILE
 from megatron_multilevel.training.schedule import build_phases
 
 

@@ -17,8 +17,9 @@ WIDTH_GROWTHS = ("fpi", "aki")
 COALESCE_ONLY_KEYS = ("num_levels", "coalesce_width", "coalesce_depth", "width_pairing", "depth_pairing",
                       "depth_scaling", "alpha", "interpolation", "cycle", "levels", "optimizer_state",
                       "perturbation_std", "growth_mask_steps", "growth_operator", "ligo_steps", "ligo_lr",
-                      "width_growth")
-GROWTH_OPERATORS = ("copy", "ligo")
+                      "width_growth", "grown_moments")
+GROWTH_OPERATORS = ("copy", "ligo", "random")
+GROWN_MOMENTS = ("map", "zero")
 
 
 @dataclass
@@ -149,14 +150,26 @@ class MultilevelConfig:
     the new layers enter gradually. 0: no mask. Depth growth only, and within the grown level's
     visit (the mask is not in the weights: a checkpoint written during the ramp computes the
     masked function in the trainer only)."""
-    growth_operator: Literal["copy", "ligo"] = "copy"
+    growth_operator: Literal["copy", "ligo", "random"] = "copy"
     """How a level is grown in depth (the first arrival at it in an F- or grow cycle): ``copy``, the
     de-coalescing (each coarse layer copied into its depth group, as ``depth_scaling`` says);
+    ``random``, the first layer of every depth group a copy and the layer growth adds (the second)
+    freshly initialised as Megatron-Core initialises a layer, its residual outputs zero under
+    ``depth_scaling = "identity"`` (then the grown model computes the smaller one), as Bu's
+    zero/one-layer expansion (ICML 2026) starts new layers; depth only, ``depth_scaling`` ``none``
+    or ``identity``, and with ``optimizer_state = "map"`` it needs ``grown_moments = "zero"``;
     ``ligo``, LiGO's learned depth operator (Wang et al., ICLR 2023): every grown layer a linear
     combination of the coarse layers, one coefficient per (grown layer, coarse layer, parameter of
     the layer), started at the copy and trained for ``ligo_steps`` steps on the training batches
     with the weights fixed, then the grown model trains as usual. Its steps count in FLOPs.
     Width, where it grows too, is de-coalesced, not learned."""
+    grown_moments: Literal["map", "zero"] = "map"
+    """With ``optimizer_state = "map"``, the optimizer state of the layers depth growth adds (the
+    second of every depth group): the state of the layer they copy, de-coalesced (``map``), or zero
+    (``zero``: fresh moments, as MSG and Bu's expansion start new layers, and the asymmetric reset
+    that SPARKLING uses to break the symmetry of copies; the step count is the run's, so Adam's
+    bias correction stays that of the carried layers). The layers growth keeps carry theirs either
+    way."""
     ligo_steps: int = 100
     """Steps that LiGO's depth operator is trained for (the paper's 100)."""
     ligo_lr: float = 1e-3
@@ -208,6 +221,7 @@ class MultilevelConfig:
             self._check_visits()
             self._check_growth_mask()
             self._check_growth_operator()
+            self._check_grown_moments()
             if self.cycle == "grow":
                 for i, level in enumerate(self.levels[:-1]):
                     if level.steps_before:
@@ -272,6 +286,9 @@ class MultilevelConfig:
                              f"valid choices are {list(GROWTH_OPERATORS)}")
         if self.growth_operator == "copy":
             return
+        if self.growth_operator == "random":
+            self._check_random_growth()
+            return
         n = self.ligo_steps
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"multilevel.ligo_steps must be a positive integer, got {n!r}")
@@ -285,6 +302,35 @@ class MultilevelConfig:
         if not self.grown_levels():
             raise ValueError(f"multilevel.growth_operator 'ligo': cycle {self.cycle!r} grows no level (only the "
                              f"first arrival at a level of cycle 'f' or 'grow' does); valid choices for it: 'copy'")
+
+    def _check_random_growth(self) -> None:
+        if self.coalesce_width or not self.coalesce_depth:
+            raise ValueError("multilevel.growth_operator 'random' initialises the layers depth growth adds; it needs "
+                             "coalesce_depth true and coalesce_width false")
+        if self.depth_scaling == "ode":
+            raise ValueError("multilevel.growth_operator 'random': depth_scaling 'ode' halves the copied layers' "
+                             "residual branches; valid choices are ['none', 'identity']")
+        if not self.grown_levels():
+            raise ValueError(f"multilevel.growth_operator 'random': cycle {self.cycle!r} grows no level (only the "
+                             f"first arrival at a level of cycle 'f' or 'grow' does); valid choices for it: 'copy'")
+        if self.optimizer_state == "map" and self.grown_moments != "zero":
+            raise ValueError("multilevel.growth_operator 'random' starts the layers growth adds afresh, and their "
+                             "optimizer state too: set multilevel.grown_moments to 'zero' (valid choices are "
+                             f"{list(GROWN_MOMENTS)})")
+
+    def _check_grown_moments(self) -> None:
+        if self.grown_moments not in GROWN_MOMENTS:
+            raise ValueError(f"multilevel.grown_moments: invalid value {self.grown_moments!r}; valid choices are "
+                             f"{list(GROWN_MOMENTS)}")
+        if self.grown_moments == "map":
+            return
+        if self.optimizer_state != "map":
+            raise ValueError("multilevel.grown_moments 'zero' sets the moments that optimizer_state 'map' carries "
+                             f"into the layers growth adds; with optimizer_state {self.optimizer_state!r} every "
+                             "moment starts afresh: set optimizer_state to 'map' or grown_moments to 'map'")
+        if self.coalesce_width or not self.coalesce_depth or not self.grown_levels():
+            raise ValueError("multilevel.grown_moments 'zero' needs a cycle that grows a level in depth only "
+                             "(cycle 'f' or 'grow', coalesce_depth true, coalesce_width false)")
 
     def _check_ode_keys(self) -> None:
         defaults = MultilevelConfig()

@@ -5,6 +5,7 @@ and the valid choices, before anything is built.
 """
 
 import dataclasses
+import difflib
 import json
 import os
 import types
@@ -33,12 +34,23 @@ def parse_dataclass(cls: type, data: Any, path: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(
-            f"{path}: unknown key(s) {unknown}; valid keys are {sorted(fields)}"
-        )
+        raise ValueError(f"{path}: unknown key(s) {unknown}; valid keys are {sorted(fields)}"
+                         f"{did_you_mean(unknown, fields)}")
     hints = typing.get_type_hints(cls)
     kwargs = {name: _parse_value(hints[name], value, f"{path}.{name}") for name, value in data.items()}
     return cls(**kwargs)
+
+
+def did_you_mean(unknown: "list[str]", valid) -> str:
+    """``"; did you mean 'hidden_size'?"`` for the unknown keys that are close to a valid one (a
+    misspelling), naming each where there are several; ``""`` where none is."""
+    close = {key: difflib.get_close_matches(key, sorted(valid), n=1) for key in unknown}
+    close = {key: match[0] for key, match in close.items() if match}
+    if not close:
+        return ""
+    if len(unknown) == 1:
+        return f"; did you mean {next(iter(close.values()))!r}?"
+    return "; did you mean " + ", ".join(f"{match!r} for {key!r}" for key, match in close.items()) + "?"
 
 
 def _parse_value(hint: Any, value: Any, path: str) -> Any:

@@ -100,9 +100,14 @@ class RunConfig:
             return
         fine = [spec for spec in self.multilevel.phase_specs() if spec.level == 0 and spec.steps]
         if fine and fine[0].lr.peak != rate:
-            warnings.warn(
-                f"optimizer.params.lr = {rate!r} is not used by a multilevel run: the full model's first phase "
-                f"trains at {fine[0].lr.peak!r} (its level's schedule; each level has its own)", stacklevel=2)
+            shown_as = warnings.formatwarning  # shown as one line, without the file and source line of the call
+            warnings.formatwarning = lambda message, *_: f"warning: {message}\n"
+            try:
+                warnings.warn(
+                    f"optimizer.params.lr = {rate!r} is not used by a multilevel run: the full model's first phase "
+                    f"trains at {fine[0].lr.peak!r} (its level's schedule; each level has its own)", stacklevel=2)
+            finally:
+                warnings.formatwarning = shown_as
 
     def _check_continued_schedule(self) -> None:
         """``lr_schedule = "continue"`` runs one schedule over the whole run: every phase that trains

@@ -14,14 +14,17 @@ class LRConfig:
     """Peak learning rate, reached after warm-up."""
     warmup_steps: int = 0
     """Linear warm-up from 0 to ``peak``."""
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    """Decay from ``peak`` to ``peak * min_ratio`` over the rest of the phase."""
+    decay: Literal["cosine", "linear", "1-sqrt", "constant"] = "cosine"
+    """Decay from ``peak`` to ``peak * min_ratio`` over the rest of the phase (or its last
+    ``decay_fraction``): half a cosine, a straight line, or ``1 - sqrt(progress)`` (the cooldown
+    shape Hägele et al., 2024, found best for warmup-stable-decay schedules)."""
     min_ratio: float = 0.1
     """Final learning rate as a fraction of ``peak``."""
     decay_fraction: float = 1.0
     """The share of the steps after warm-up that the decay takes, at the end; before it the rate
     stays at ``peak`` (1: the decay starts right after warm-up; below 1: warm-up, stable, decay,
-    as MiniCPM and DeepSeek schedule pretraining). Ignored by ``constant``."""
+    as MiniCPM and DeepSeek schedule pretraining: a WSD schedule, usually with ``min_ratio`` 0).
+    Ignored by ``constant``."""
 
     def __post_init__(self):
         if self.peak <= 0:

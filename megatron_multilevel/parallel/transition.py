@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megatron_multilevel.config import check_alpha
+from megatron_multilevel.growth.fresh import fresh_layer
 from megatron_multilevel.level_maps import LevelMap
 from megatron_multilevel.operators import (
     check_width_growth,
@@ -153,6 +154,8 @@ def prolong(
     seed: int = 0,
     correction: bool = False,
     width_growth: str = "fpi",
+    grown: str = "copy",
+    grown_moments: str = "copy",
 ) -> Staged:
     """Build the fine level again: de-coalesce the coarse model and interpolate with ``before``.
 
@@ -166,12 +169,18 @@ def prolong(
     names the optimizer state carried, as for :func:`coarsen`. ``width_growth`` "aki" grows width
     by bert2BERT's AKI (``operators.decoalesce_tensor_aki``: each layer's new units from the layer
     above), growing only (``before`` None); mapped moments follow their weights, grown the same way.
+    Growing in depth, the layers growth adds (the second of every depth group) are copies
+    (``grown`` "copy") or freshly initialised (``"fresh"``: ``growth/fresh.py``, seeded by ``seed``,
+    their residual outputs zero under ``identity`` depth scaling), and their mapped moments copies
+    (``grown_moments`` "copy") or zero (``"zero"``).
     """
     check_alpha(alpha)
     check_layouts(level_map.fine, level_map.coarse, fine_layout, coarse_layout)
     check_width_growth(width_growth, level_map)
     if before is None and alpha != 1.0:
         raise ValueError(f"prolong: alpha {alpha} interpolates with the model before coalescing, and there is none")
+    assert grown in ("copy", "fresh") and grown_moments in ("copy", "zero"), (grown, grown_moments)
+    assert before is None or (grown, grown_moments) == ("copy", "copy"), "only growing adds layers"
     if before is not None and width_growth != "fpi":
         raise ValueError(f"prolong: width_growth {width_growth!r} grows a level (no model before coalescing); a "
                          f"return that interpolates de-coalesces by 'fpi'")
@@ -190,12 +199,12 @@ def prolong(
     fine_model = build_target()
     writer = ModelWriter(fine_model, level_map.fine, Groups.current(), local=fast)
     _prolong_stream(reader, before and before.params, writer, op_map, alpha, perturbation_std=perturbation_std,
-                    seed=seed, correction=correction, width_growth=width_growth)
+                    seed=seed, correction=correction, width_growth=width_growth, grown=grown)
     staged = Staged(fine_model, level_map.fine, fast, step=step)
     for key, moment_reader in moment_readers.items():
         staged.moments[key] = Snapshot(snapshot_group(fast))
         _prolong_stream(moment_reader, None if before is None else before.moments[key], staged.moments[key], op_map,
-                        alpha, width_growth=width_growth)
+                        alpha, width_growth=width_growth, grown=grown_moments)
     return staged
 
 
@@ -241,11 +250,12 @@ def _perturb(values: dict, std: float, seed: int, writer: ModelWriter, layer: Op
 
 def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, alpha: float, *,
                     perturbation_std: float = 0.0, seed: int = 0, correction: bool = False,
-                    width_growth: str = "fpi") -> None:
+                    width_growth: str = "fpi", grown: str = "copy") -> None:
     """De-coalesce and interpolate (or correct) parameter by parameter (slab by slab of
     vocabulary rows). The correction's starting coarse model is coalesced again from ``before``,
     one depth group at a time, as ``_coarsen_stream`` made it. AKI reads each parameter of the
-    coarse layer above too (every rank the same layers, in the same order)."""
+    coarse layer above too (every rank the same layers, in the same order). Growing, the layers
+    growth adds are ``grown``: copies, ``fresh`` layers or ``zero``."""
     for name in coarse_reader.model_names:
         for rows in vocab_slabs(coarse_reader, name, level_map.fine, whole=perturbation_std > 0):
             values = decoalesce_model_params(coarse_reader.read_model([name], rows), level_map)
@@ -269,10 +279,27 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
                 member = group_member(level_map, j)
                 decoalesced = decoalesce_layer(coarse, level_map, member, upper=upper)
                 if not before:  # growing (alpha 1); new tensors per fine layer: the writer adopts them
-                    values = decoalesced
+                    values = decoalesced if member == 0 else _grown_layer(decoalesced, grown, writer, level_map,
+                                                                          seed, j)
                 elif start is not None:
                     values = correct(before[i], decoalesced, decoalesce_layer(start, level_map, member), alpha)
                 else:
                     values = interpolate(before[i], decoalesced, alpha)
                 writer.write_layer(j, _perturb(values, perturbation_std, seed, writer, j))
             del coarse, upper, before, start
+
+
+def _grown_layer(copied: dict, grown: str, writer: ModelWriter, level_map: LevelMap, seed: int, layer: int) -> dict:
+    """The values of fine layer ``layer``, which growth adds: ``copied`` (de-coalesced), a fresh
+    layer (noise drawn for each full tensor, seeded by ``seed``, the layer and the name) or zeros."""
+    if grown == "copy":
+        return copied
+    if grown == "zero":
+        return {name: torch.zeros_like(t) for name, t in copied.items()}
+    prefix = layer_prefix(writer.cfg, layer)
+
+    def noise(name, shape):
+        gen = torch.Generator().manual_seed(seed + zlib.crc32(f"fresh/layer{layer}/{name}".encode()))
+        return writer.full_tensor_noise(prefix + name, shape, gen)
+
+    return fresh_layer(copied, level_map.fine, noise, zero_residual=level_map.depth_scaling == "identity")

@@ -15,7 +15,9 @@ does: where the coarse model alone reached the best scratch's final loss at a me
 or beyond the budget asked about, the smaller model is the advice; where the interval does not lie
 above zero (the saving is not shown), training the full model from scratch is. After them, the
 nearest measured point decides between the cycles and growth: where a growth method (progressive
-stacking as published, a peer) saved more there than every cycle, it is the advice.
+stacking as published, a peer) saved more there than every cycle, it is the advice. The advice says
+what it rests on: the sizes and budgets of the points, and how far beyond them the model asked about
+lies (a law without a size term carries its points' saving to any size unchanged).
 """
 
 import dataclasses
@@ -71,6 +73,7 @@ class Fit:
     points: int
     log_tpp_range: tuple  # the ln(tokens per parameter) the fit saw, lowest and highest
     with_size: bool
+    parameter_range: tuple  # the parameters of the points the fit saw, fewest and most
 
     def predict(self, parameters: float, tokens_per_parameter: float) -> tuple[float, float]:
         """The expected saving and the half-width of its prediction interval (one standard error
@@ -83,6 +86,12 @@ class Fit:
     def extrapolates(self, tokens_per_parameter: float) -> bool:
         lo, hi = self.log_tpp_range
         return not lo <= math.log(tokens_per_parameter) <= hi
+
+
+def times_beyond(value: float, lowest: float, highest: float) -> float:
+    """How many times ``value`` lies beyond ``[lowest, highest]``: 1 inside it, 10 at ten times the
+    highest or a tenth of the lowest."""
+    return max(value / highest, lowest / value, 1.0)
 
 
 def _features(parameters: float, tokens_per_parameter: float, with_size: bool) -> list:
@@ -107,8 +116,9 @@ def fit(points: Sequence[StudyPoint]) -> Fit:
     std = math.sqrt(float(residual @ residual) / (len(measured) - k))
     cov = numpy.linalg.inv(x.T @ x)
     logs = [math.log(p.tokens_per_parameter) for p in measured]
+    sizes = [p.parameters for p in measured]
     return Fit(tuple(float(c) for c in coefficients), tuple(tuple(float(v) for v in row) for row in cov), std,
-               len(measured), (min(logs), max(logs)), with_size)
+               len(measured), (min(logs), max(logs)), with_size, (min(sizes), max(sizes)))
 
 
 def leave_one_out(points: Sequence[StudyPoint]) -> list[dict]:
@@ -133,7 +143,9 @@ def plan(points: Sequence[StudyPoint], parameters: float, tokens: float) -> dict
     ``"growth"``, ``"smaller model"``, ``"scratch"``), the expected saving and its interval, the
     schedule of the nearest measured point (what a multilevel run would use), the growth method that
     saved more than it there (``growth``; then the advice, unless the smaller model's), the control
-    that decided, and the fit's range."""
+    that decided, and what the advice rests on: the fit's ranges of tokens per parameter and of
+    parameters, how many times beyond each the model lies (``beyond``, 1 inside), whether the law
+    has a size term, and the size of the points that decided."""
     if parameters <= 0 or tokens <= 0:
         raise ValueError(f"parameters and tokens must be positive, got {parameters} and {tokens}")
     tpp = tokens / parameters
@@ -147,9 +159,15 @@ def plan(points: Sequence[StudyPoint], parameters: float, tokens: float) -> dict
     out = {"parameters": parameters, "tokens": tokens, "tokens_per_parameter": tpp, "saving": mean,
            "interval": half, "extrapolated": law.extrapolates(tpp), "fit_points": law.points,
            "tokens_per_parameter_range": [math.exp(v) for v in law.log_tpp_range],
+           "parameters_range": list(law.parameter_range), "size_term": law.with_size,
+           "beyond": {"parameters": times_beyond(parameters, *law.parameter_range),
+                      "tokens_per_parameter": times_beyond(tpp, *(math.exp(v) for v in law.log_tpp_range))},
            "schedule": nearest.schedule, "from_point": nearest.point,
+           "from_point_size": {"parameters": nearest.parameters, "tokens_per_parameter": nearest.tokens_per_parameter},
            "control": suffices[0].point if suffices else None,
-           "control_seeds": suffices[0].control_seeds if suffices else None}
+           "control_seeds": suffices[0].control_seeds if suffices else None,
+           "control_size": None if not suffices else {"parameters": suffices[0].parameters,
+                                                      "tokens_per_parameter": suffices[0].tokens_per_parameter}}
     # a multilevel schedule only where the law's interval lies above zero: elsewhere it is not
     # shown to pay, and the full model from scratch is the safe advice
     advice = "smaller model" if suffices else "multilevel" if mean - half > 0 else "scratch"

@@ -10,6 +10,7 @@ Pure: it reads and writes no files and launches nothing; the arithmetic under it
 
 import statistics
 
+from megatron_multilevel.methods import family
 from megatron_multilevel.study.savings import (at_fraction, equal_quality, fine_curve, first_crossing, run_savings,
                                                summarize)
 
@@ -35,15 +36,6 @@ def normalized_at_flops(phases: list[dict], times: dict, flops: float) -> float:
             return seconds + phase_seconds * (flops - spent) / p["flops"]
         spent, seconds = spent + p["flops"], seconds + phase_seconds
     return seconds
-
-
-def family(name: str) -> str:
-    """The method a run's name is a variant of (``fcycle2-depth-ea0.1``: ``fcycle``)."""
-    for prefix in ("scratch", "coarse", "vcycle", "wcycle", "fcycle", "ode", "stacking", "gstack", "msg", "ligo",
-                   "bert2bert"):
-        if name.startswith(prefix):
-            return prefix
-    raise AssertionError(f"method {name!r} has no family")
 
 
 def best_scratch(results: list[dict]) -> str:

@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 
+from megatron_multilevel.records import read_metrics, read_summary
+
 # The package's folders of report-only code (not run by training), left out of the code version.
 REPORT_ONLY = ("study",)
 
@@ -60,10 +62,7 @@ def source_commit(root: str) -> str:
 def run_result(run_dir: str, *, method: str, fraction: float, seed: int, version: str, commit: str,
                config: dict) -> dict:
     """The small record of one finished run that is kept (and committed) with the benchmark."""
-    from megatron_multilevel.training.metrics import read_metrics
-
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        summary = json.load(f)
+    summary = read_summary(run_dir)
     config = json.loads(json.dumps(config))
     config["training"].pop("output_dir")
     valid = [{k: r[k] for k in ("level", "phase", "global_step", "loss", "tokens", "flops", "seconds")}

@@ -13,6 +13,8 @@ taken as linear.
 import statistics
 from typing import Optional, Sequence
 
+from megatron_multilevel.methods import CYCLE_FAMILIES, GROWTH_FAMILIES
+
 
 def first_crossing(points: Sequence[tuple[float, float]], target: float) -> Optional[float]:
     """The first ``x`` at which the piecewise-linear curve ``(x, loss)`` reaches ``loss <= target``,
@@ -178,11 +180,9 @@ def format_saving(s: dict) -> str:
             f"{s['reached']}/{s['n']}{bound}{more}")
 
 
-MULTILEVEL_FAMILIES = ("vcycle", "wcycle", "fcycle", "ode")
-
-
-# growth methods: progressive stacking (as published, or with this project's levers) and the peers
-GROWTH_FAMILIES = ("stacking", "gstack", "msg", "ligo", "bert2bert")
+# the cycles of this project, and the growth methods (progressive stacking, as published or with this
+# project's levers, and the peers), as the table of methods declares them
+MULTILEVEL_FAMILIES = CYCLE_FAMILIES
 
 
 def best_multilevel(row: dict) -> Optional[str]:

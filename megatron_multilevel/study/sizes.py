@@ -13,7 +13,7 @@ SIZES = {
     "cpu-small": dict(model={"kind": "gpt", "num_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
                              "vocab_size": 4096, "max_sequence_length": 64},
                       seq=64, batch=16, steps=960, fine_lr=2e-3),
-    # The regime study's long points (docs/benchmarks.md, "Where it pays"): models small enough to
+    # The regime study's long points (benchmarks/JOURNAL.md, "Where it pays"): models small enough to
     # train at 20 and more tokens per parameter on 2 CPU cores, on the embedded corpus at a 512-piece
     # vocabulary (8.7 million tokens: about one epoch at 20 tokens per parameter of 8 x 64). Their
     # rate: the best of 1e-3, 2e-3 and 4e-3 for scratch on 4 x 64 at 20 tokens per parameter.
@@ -28,6 +28,12 @@ SIZES = {
     "cpu-8x32": dict(model={"kind": "gpt", "num_layers": 8, "hidden_size": 32, "num_attention_heads": 4,
                             "vocab_size": 512, "max_sequence_length": 64},
                      seq=64, batch=16, steps=9400, fine_lr=4e-3),
+    # The late expansion's deep point: sixteen layers, so that a one-layer model can be grown to full
+    # depth in one expansion (four doublings), at the regime study's width and vocabulary; 221,760
+    # parameters, 80 tokens per parameter at 17,400 steps (2.0 epochs of the embedded corpus).
+    "cpu-16x32": dict(model={"kind": "gpt", "num_layers": 16, "hidden_size": 32, "num_attention_heads": 4,
+                             "vocab_size": 512, "max_sequence_length": 64},
+                      seq=64, batch=16, steps=17400, fine_lr=4e-3),
     # The ODE paper's model (Lauga et al.: GPT decoder, 12 blocks, width 256, 8 heads) and optimizer
     # (SGD; with its momentum, as configs/gpt_ode_alternating.json), at the CPU data budget.
     "ode-paper": dict(model={"kind": "gpt", "num_layers": 12, "hidden_size": 256, "num_attention_heads": 8,
@@ -35,7 +41,7 @@ SIZES = {
                       seq=64, batch=16, steps=480, fine_lr=0.1,
                       optimizer={"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}}),
     # BERT of the headline GPT's shape (masked-language modelling with the binary head, as the
-    # BERT configs have it), on the embedded corpus, for the BERT study (docs/benchmarks.md).
+    # BERT configs have it), on the embedded corpus, for the BERT study (benchmarks/JOURNAL.md).
     "cpu-bert": dict(model={"kind": "bert", "num_layers": 8, "hidden_size": 256, "num_attention_heads": 8,
                             "vocab_size": 4096, "max_sequence_length": 64},
                      seq=64, batch=16, steps=480, fine_lr=1e-3),

@@ -12,6 +12,7 @@ from typing import Sequence
 
 from megatron_multilevel.config import WIDTH_GROWTHS, coarse_model_config, load_config, match_optimizer_rate
 from megatron_multilevel.flops import flops_per_token
+from megatron_multilevel.methods import ADVISED
 
 
 def compress(config: dict, fraction: float) -> dict:
@@ -98,28 +99,8 @@ RECIPE = dict(shape="depth", depth_pairing="halves", depth_scaling="identity", c
 
 # The growths the planner names and writes where one saved more than the cycles, by their method's
 # name: what each is (``about``) and its keyword arguments of :func:`variant_configs` (``settings``;
-# without ``after_warmup``: the run's warm-up again, as published). Progressive stacking and G_stack
-# as published; MSG's masked growth with the recipe's levers (its measured form: README, "The
-# published growth methods, side by side").
-GROWTHS = {
-    "stacking": {
-        "about": "progressive stacking as published (multilevel.cycle \"grow\": the half-depth model for half the "
-                 "steps, stacked with depth_scaling \"ode\", optimizer_state \"reset\" and lr_schedule \"restart\": "
-                 "`tools/benchmark_savings.py --methods stacking --depth-scaling ode`)",
-        "settings": dict(depth_scaling="ode", coarse_share=0.5, optimizer_state="reset", lr_schedule="restart")},
-    "gstack": {
-        "about": "G_stack as published (a quarter-depth model, stacked four times, AdamW and the schedule restarted: "
-                 "`tools/benchmark_savings.py --methods gstack --gstack-factor 4 --gstack-share 0.1`)",
-        "settings": dict(gstack_factor=4, gstack_share=0.1, optimizer_state="reset", lr_schedule="restart")},
-    "msg": {
-        "about": "MSG with the recipe's levers (multilevel.cycle \"grow\": the half-depth model for 10% of the steps, "
-                 "its layers copied and the copies masked in over 5% of the steps (growth_mask_steps), "
-                 "optimizer_state \"map\", lr_schedule \"continue\", no second warm-up: "
-                 "`tools/benchmark_savings.py --methods msg --coarse-share 0.1 --optimizer-state map "
-                 "--lr-schedule continue --after-warmup 0 --msg-mask-share 0.05`)",
-        "settings": dict(coarse_share=0.1, optimizer_state="map", lr_schedule="continue", after_warmup=0,
-                         msg_mask_share=0.05)},
-}
+# without ``after_warmup``: the run's warm-up again, as published), from the table of methods.
+GROWTHS = ADVISED
 
 
 def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor: "float | None" = None,

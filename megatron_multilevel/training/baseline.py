@@ -2,10 +2,11 @@
 the same data and seed with the same training FLOPs, in ``<run>/baseline``, and what the
 multilevel run saved against it.
 
-The saving is the savings benchmark's, at equal quality (``study.savings.run_savings``): the
-training FLOPs and wall-clock seconds (training and transitions) the run needs to first reach the
-validation loss the baseline ends at, against what the baseline needs to reach it; or, when the
-run never reaches it, how far above it the run ends. The baseline runs in the same processes as
+The saving is the savings benchmark's, at equal quality (``study/baseline.py``, called by the entry
+point once the baseline has run): the training FLOPs and wall-clock seconds (training and
+transitions) the run needs to first reach the validation loss the baseline ends at, against what
+the baseline needs to reach it; or, when the run never reaches it, how far above it the run ends.
+The baseline runs in the same processes as
 the run, after it, and like it resumes after a kill; a finished baseline of the same config is
 reused.
 """
@@ -15,17 +16,14 @@ import gc
 import json
 import os
 import shutil
-import tempfile
 
 import torch.distributed as dist
 
 from megatron_multilevel.config import RunConfig, config_to_dict, deep_merge, load_config, match_optimizer_rate
-from megatron_multilevel.study.savings import run_savings
-from megatron_multilevel.training.metrics import read_metrics
+from megatron_multilevel.records import SUMMARY
 from megatron_multilevel.training.schedule import build_phases, fine_equivalent_steps
 
 BASELINE_DIR = "baseline"
-SUMMARY = "summary.json"
 
 
 def baseline_config(cfg: RunConfig) -> RunConfig:
@@ -73,10 +71,9 @@ def _state(cfg: RunConfig) -> str:
     return "finished" if os.path.isfile(os.path.join(run_dir, SUMMARY)) else "started"
 
 
-def run_baseline(cfg: RunConfig, base: RunConfig) -> "dict | None":
-    """Train (or resume, or reuse) the baseline ``base`` of the finished run ``cfg`` on every rank,
-    then, on rank 0, add the comparison to the run's summary, plot both validation curves and say
-    what the run saved; returns the summary's ``baseline`` block there (None on other ranks)."""
+def run_baseline(cfg: RunConfig, base: RunConfig) -> None:
+    """Train (or resume, or reuse) the baseline ``base`` of the finished run ``cfg`` on every rank
+    (the comparison is the study's: ``study/baseline.py``)."""
     from megatron_multilevel.training.trainer import Trainer
 
     rank, base_dir = dist.get_rank(), base.training.output_dir
@@ -95,59 +92,3 @@ def run_baseline(cfg: RunConfig, base: RunConfig) -> "dict | None":
     if state != "finished":
         gc.collect()  # the run's engines
         Trainer(base).run()
-    if rank != 0:
-        return None
-    block = compare(cfg.training.output_dir, base_dir)
-    for line in report_lines(block, cfg.training.output_dir):
-        print(line, flush=True)
-    return block
-
-
-def compare(run_dir: str, base_dir: str) -> dict:
-    """The ``baseline`` block of the run's summary (added to its ``summary.json``), and the plots."""
-    from megatron_multilevel.study.plotting import plot_validation
-
-    records, base_records = read_metrics(run_dir), read_metrics(base_dir)
-    with open(os.path.join(base_dir, SUMMARY)) as f:
-        totals = json.load(f)["totals"]
-    saving = run_savings(records, base_records)
-    reached = saving["flops_to_target"] is not None
-    block = {
-        "dir": base_dir, "steps": totals["steps"], "final_valid_loss": totals["final_valid_loss"],
-        "flops": totals["flops"], "wall_seconds": totals["wall_seconds"],
-        "saving": {**saving, "reached": reached,
-                   "gap": None if reached else saving["final_valid_loss"] - saving["target_loss"]},
-    }
-    with tempfile.TemporaryDirectory(dir=run_dir) as tmp:
-        # plot_validation names its figures valid_loss_vs_<axis>.png
-        plot_validation({"multilevel run": records, "baseline (fine model from scratch)": base_records}, tmp,
-                        target=saving["target_loss"])
-        for axis in ("flops", "seconds"):
-            os.replace(os.path.join(tmp, f"valid_loss_vs_{axis}.png"), os.path.join(run_dir, f"loss_vs_{axis}.png"))
-    path = os.path.join(run_dir, SUMMARY)
-    with open(path) as f:
-        summary = json.load(f)
-    summary["baseline"] = block
-    with open(path + ".tmp", "w") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(path + ".tmp", path)
-    return block
-
-
-def report_lines(block: dict, run_dir: str) -> list[str]:
-    """The final lines: the baseline, then the saving at equal quality (negative: a loss)."""
-    s = block["saving"]
-    lines = [f"baseline: the fine model from scratch, {block['steps']} steps: final validation loss "
-             f"{block['final_valid_loss']:.4f}, {block['flops'] / 1e12:.3f} TFLOPs, "
-             f"{block['wall_seconds']:.1f} s training"]
-    if s["reached"]:
-        lines.append(f"saving at equal quality: {s['saving_flops']:.0%} of the FLOPs and {s['saving_seconds']:.0%} "
-                     f"of the wall-clock: the multilevel run reaches the baseline's final validation loss "
-                     f"{s['target_loss']:.4f} after {s['flops_to_target'] / 1e12:.3f} TFLOPs and "
-                     f"{s['seconds_to_target']:.1f} s")
-    else:
-        lines.append(f"saving at equal quality: not reached: the multilevel run ends at {s['final_valid_loss']:.4f}, "
-                     f"{s['gap']:.4f} above the baseline's final validation loss {s['target_loss']:.4f}")
-    lines.append(f"plots: {os.path.join(run_dir, 'loss_vs_flops.png')}, loss_vs_seconds.png; "
-                 f"summary: {os.path.join(run_dir, SUMMARY)}")
-    return lines

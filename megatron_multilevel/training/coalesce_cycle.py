@@ -10,14 +10,15 @@ on resume from the checkpoint saved at the end of the phase that was coalesced
 
 import functools
 import gc
-from typing import Callable
+from typing import Callable, Optional
 
 from megatron_multilevel.flops import flops_per_token
 from megatron_multilevel.parallel.staging import FineSnapshot, load_moments
 from megatron_multilevel.parallel.transition import coarsen, prolong, snapshot_level
 from megatron_multilevel.training import checkpoint
-from megatron_multilevel.training.context import RunContext, Transition
-from megatron_multilevel.training.ligo import learn_depth_operator
+from megatron_multilevel.growth.ligo import learn_depth_operator
+from megatron_multilevel.growth.mask import growth_mask
+from megatron_multilevel.training.context import PhaseHook, RunContext, Transition
 from megatron_multilevel.training.schedule import Phase
 
 
@@ -51,6 +52,14 @@ class CoalesceCycle:
     def resume(self, phase: Phase, tag: str, engine) -> None:
         """Nothing to rebuild once the current engine is loaded."""
 
+    def phase_hook(self, phase: Phase, module) -> Optional[PhaseHook]:
+        """MSG's mask of the layers that growing into ``phase``'s level added to ``module``, where
+        the run masks them (``multilevel.growth_mask_steps``); else None."""
+        ml = self.ctx.cfg.multilevel
+        if phase.arrival != "grow":
+            return None
+        return growth_mask(module, self.ctx.level_maps[phase.level], ml.growth_mask_steps)
+
     def transition(self, release: Callable[[], object], phase: Phase, nxt: Phase, end_tag: str) -> Transition:
         """Coalesce into, or de-coalesce (and interpolate) into, ``nxt``'s level. ``release()`` hands
         over the current engine (its holder keeps no reference, so that it is freed before the next
@@ -82,9 +91,13 @@ class CoalesceCycle:
                 perturbation_std=ml.perturbation_std, seed=ctx.cfg.training.seed + nxt.index,
                 correction=ml.interpolation == "correction",
                 width_growth=ml.width_growth if before is None else "fpi",
+                grown="fresh" if before is None and ml.growth_operator == "random" else "copy",
+                grown_moments="zero" if before is None and ml.grown_moments == "zero" else "copy",
             )
             ctx.state.open_levels.pop(nxt.level, None)
             grown = "de-coalesced, grown" + (" by AKI" if ml.width_growth == "aki" else "")
+            grown += ", new layers fresh" if ml.growth_operator == "random" else ""
+            grown += ", their moments zero" if ml.grown_moments == "zero" else ""
             what = (grown if before is None else "de-coalesced and interpolated"
                     if ml.interpolation == "blend" else "de-coalesced, coarse correction added")
             what += f" (alpha {alpha})"
@@ -99,7 +112,7 @@ class CoalesceCycle:
         return Transition(engine, what, extra_flops=extra)
 
     def _learn_growth(self, model, nxt: Phase) -> tuple[float, str]:
-        """LiGO's depth operator trained on the grown ``model`` (``training/ligo.py``) on the batches
+        """LiGO's depth operator trained on the grown ``model`` (``growth/ligo.py``) on the batches
         of the steps the grown level is about to train (they are seen again there): its FLOPs (each
         step a forward and backward pass of the grown model) and what to say of it."""
         from megatron.core import parallel_state as ps

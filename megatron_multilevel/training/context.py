@@ -8,7 +8,7 @@ it, and neither reaches into the trainer.
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -99,3 +99,14 @@ class Transition:
     """FLOPs it spent beyond the phases' steps (the ODE strategy's coherence and line search)."""
     row: dict = field(default_factory=dict)
     """Fields it adds to the next phase's summary row."""
+
+
+class PhaseHook(Protocol):
+    """What a cycle adds to the steps of one phase (MSG's layer mask): the trainer calls ``at``
+    before every step and every evaluation, and ``finish`` when the phase has trained its steps."""
+
+    def at(self, step: int) -> object:
+        """Set up for step ``step`` (0-based) of the phase."""
+
+    def finish(self, step: int) -> None:
+        """The phase ended after ``step`` steps."""

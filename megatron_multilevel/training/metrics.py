@@ -10,14 +10,7 @@ import os
 import time
 from typing import Optional
 
-
-METRICS_FILE = "metrics.jsonl"
-
-
-def read_metrics(run_dir: str) -> list[dict]:
-    """The records a run wrote, in order."""
-    with open(os.path.join(run_dir, METRICS_FILE)) as f:
-        return [json.loads(line) for line in f if line.strip()]
+from megatron_multilevel.records import METRICS_FILE
 
 
 def _hms(seconds: float) -> str:

@@ -255,3 +255,8 @@ class OdeCycle:
             directory = os.path.join(checkpoint.checkpoint_dir(ctx.run_dir), tag)
             self._install(engine, coherence.load(directory, ctx.levels.models[1],
                                                  next(engine.module.parameters()).device))
+
+    def phase_hook(self, phase: Phase, module) -> None:
+        """Nothing added to the steps of a phase (the coherence term hooks the optimizer at
+        restriction)."""
+        return None

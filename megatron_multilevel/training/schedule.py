@@ -109,6 +109,8 @@ def lr_factor(step: int, total: int, lr: LRConfig) -> float:
     progress = min(1.0, max(0, step - lr.warmup_steps - (span - decay)) / decay)
     if lr.decay == "linear":
         shape = 1.0 - progress
+    elif lr.decay == "1-sqrt":
+        shape = 1.0 - math.sqrt(progress)
     else:
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
     return lr.min_ratio + (1.0 - lr.min_ratio) * shape

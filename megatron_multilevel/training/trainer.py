@@ -29,7 +29,6 @@ from megatron_multilevel.training.checkpoint import RunState
 from megatron_multilevel.training.coalesce_cycle import CoalesceCycle
 from megatron_multilevel.training.context import RunContext, device
 from megatron_multilevel.training.engines import LevelEngines
-from megatron_multilevel.training.growth_mask import growth_mask
 from megatron_multilevel.training.metrics import Metrics
 from megatron_multilevel.training.ode_cycle import OdeCycle
 from megatron_multilevel.training.schedule import Phase, build_phases, schedule_signature
@@ -172,21 +171,14 @@ class Trainer:
         checkpoint.rotate(self.ctx.run_dir, self.ctx.state, self.cfg.training.keep_checkpoints)
         self.ctx.state.counters["checkpoint_seconds"] += time.perf_counter() - t0
 
-    def _growth_mask(self, phase: Phase):
-        """MSG's mask of the layers that growing into ``phase``'s level added (None: no mask)."""
-        ml = self.cfg.multilevel
-        if phase.arrival != "grow" or not ml.enabled or ml.strategy != "coalesce":
-            return None
-        return growth_mask(self.engine.module, self.ctx.level_maps[phase.level], ml.growth_mask_steps)
-
-    def _train_phase(self, phase: Phase, mask=None) -> None:
+    def _train_phase(self, phase: Phase, hook=None) -> None:
         state, c, t = self.ctx.state, self.ctx.state.counters, self.cfg.training
         level_cfg = self.levels.models[phase.level]
         step_flops = flops_per_token(level_cfg, self.ctx.seq) * self.ctx.tokens_per_step
         window, window_start, timed = state.log_window, time.perf_counter(), 0
         while state.step < phase.steps:
-            if mask is not None:
-                mask.at(state.step)
+            if hook is not None:
+                hook.at(state.step)
             lr = self.engine.get_lr()[0]  # the rate this step applies, as the optimizer holds it
             t0 = time.perf_counter()
             loss = self._train_step(phase.level, state.global_step)
@@ -216,8 +208,8 @@ class Trainer:
                 window.clear()
                 window_start, timed = time.perf_counter(), 0
             if state.step % t.eval_interval == 0 and state.step < phase.steps:
-                if mask is not None:  # the model the next step trains
-                    mask.at(state.step)
+                if hook is not None:  # the model the next step trains
+                    hook.at(state.step)
                 self._record_valid(phase, self._evaluate(phase.level))
             if t.save_interval and state.global_step % t.save_interval == 0 and state.step < phase.steps:
                 self._save()
@@ -300,15 +292,14 @@ class Trainer:
             phase = self.phases[state.phase]
             row = self._phase_row(phase)
             if row["valid_loss"] is None:  # not finished (a resumed run may stand at its end)
-                mask = self._growth_mask(phase)
-                if mask is not None:
-                    mask.at(state.step)
+                hook = self.cycle.phase_hook(phase, self.engine.module)
+                if hook is not None:
+                    hook.at(state.step)
                 if state.step == 0 and phase.arrival in ("decoalesce", "grow", "prolong"):
                     self._record_valid(phase, self._evaluate(phase.level))
-                self._train_phase(phase, mask)
-                if mask is not None:  # it has reached 1 (the config holds it within the phase)
-                    assert mask.at(state.step) == 1.0
-                    mask.remove()
+                self._train_phase(phase, hook)
+                if hook is not None:
+                    hook.finish(state.step)
                 row["valid_loss"] = self._evaluate(phase.level)
                 row["train_seconds"] = state.counters["train_seconds"] - row["train_seconds_start"]
                 self._record_valid(phase, row["valid_loss"])

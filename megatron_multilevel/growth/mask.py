@@ -62,6 +62,12 @@ class LayerMask:
             handle.remove()
         self._handles = []
 
+    def finish(self, step: int) -> None:
+        """The phase ended at ``step``: the mask has reached 1 (the config holds it within the
+        phase), and comes off."""
+        assert self.at(step) == 1.0, (step, self.steps)
+        self.remove()
+
 
 def growth_mask(model: torch.nn.Module, level_map, steps: int) -> Optional[LayerMask]:
     """The mask of the layers that growing ``model`` through ``level_map`` added (None for

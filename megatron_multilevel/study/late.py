@@ -1,0 +1,141 @@
+"""The late single expansion's configs (Bu, "Scaling depth capacity via zero/one-layer model
+expansion", ICML 2026) and its source-model control, beside the other methods'
+(``variants.py``), and the warmup-stable-decay schedule any method's config can be put on.
+
+``late``: a model of ``layers`` transformer layers (the paper's one-layer source; ``L / 2^n`` here,
+since each growth doubles depth) trains ``share`` of the steps, is expanded once to the full depth
+(a grow cycle through levels that train no step: the transitions compose, and only the first and
+the last level train), and the full model trains the rest. The paper's zero-layer source (the
+embeddings and the output layer only) is not built: Megatron-Core's transformer block needs at least
+one layer. New layers start as ``init`` says:
+
+- ``copy``: copies of the trained layer (``depth_scaling`` none);
+- ``identity``: copies with their residual branches' output weights zero (function-preserving);
+- ``random``: Megatron-Core's fresh initialisation (``growth_operator`` random);
+- ``random-identity``: fresh, with zero residual outputs (function-preserving).
+
+With ``optimizer_state`` map the trained layer keeps its Adam moments and ``grown_moments`` says
+whether the new layers' start at zero (the paper's fresh state) or copy the trained layer's. Under
+``budget`` tokens (the paper's accounting) the run takes scratch's steps, so it spends fewer FLOPs;
+under ``flops`` it takes as many steps as scratch's FLOPs buy.
+
+``source``: the ``layers``-layer model alone, on scratch's steps (``tokens``) or FLOPs.
+"""
+
+import copy
+import dataclasses
+import math
+
+from megatron_multilevel.config import load_config, match_optimizer_rate
+from megatron_multilevel.flops import flops_per_token
+
+LATE_INITS = {
+    "copy": dict(growth_operator="copy", depth_scaling="none"),
+    "identity": dict(growth_operator="copy", depth_scaling="identity"),
+    "random": dict(growth_operator="random", depth_scaling="none"),
+    "random-identity": dict(growth_operator="random", depth_scaling="identity"),
+}
+DECAYS = ("cosine", "linear", "1-sqrt")
+
+
+def doublings(num_layers: int, layers: int) -> int:
+    """How many depth doublings grow ``layers`` layers into ``num_layers``; ValueError where none do."""
+    n = round(math.log2(num_layers / layers)) if layers >= 1 else -1
+    if layers < 1 or n < 1 or layers * 2 ** n != num_layers:
+        valid = [num_layers // 2 ** i for i in range(1, num_layers.bit_length()) if num_layers % 2 ** i == 0]
+        raise ValueError(f"late_layers {layers}: the expansion doubles depth, so the source model of a "
+                         f"{num_layers}-layer model has one of {valid} layers")
+    return n
+
+
+def with_schedule(config: dict, *, decay=None, decay_fraction=None, min_ratio=None, grown_moments=None) -> dict:
+    """``config`` with every learning-rate schedule in it (from scratch, each level's, each visit's)
+    given the decay shape, decay fraction and final ratio that are not None: a warmup-stable-decay
+    schedule with ``decay_fraction`` below 1 (under ``lr_schedule`` continue, one over the run); and
+    a growth that carries the optimizer state (a grow cycle, ``optimizer_state`` map) given
+    ``grown_moments`` where it is not None."""
+    change = {k: v for k, v in dict(decay=decay, decay_fraction=decay_fraction, min_ratio=min_ratio).items()
+              if v is not None}
+    if decay is not None and decay not in DECAYS:
+        raise ValueError(f"invalid decay {decay!r}; valid choices are {list(DECAYS)}")
+    out = copy.deepcopy(config)
+    ml = out.get("multilevel", {})
+    if grown_moments is not None and ml.get("cycle") == "grow" and ml.get("optimizer_state") == "map":
+        ml["grown_moments"] = grown_moments
+    if not change:
+        return out
+    schedules = [out.get("training", {}).get("lr")]
+    for level in out.get("multilevel", {}).get("levels", []):
+        schedules += [level.get("lr_before"), level.get("lr_after")]
+        schedules += [visit.get("lr") for visit in level.get("visits") or []]
+    for lr in schedules:
+        if lr is not None:
+            lr.update(change)
+    return out
+
+
+def late_configs(scratch: dict, *, steps: int, fine_lr: float, warmup: int, share: float = 0.8, layers: int = 1,
+                 init: str = "copy", optimizer_state: str = "map", grown_moments: str = "zero",
+                 lr_schedule: str = "continue", after_warmup: int = 0, budget: str = "tokens") -> dict[str, dict]:
+    """The ``late`` and ``source`` configs for ``scratch`` (a from-scratch config of the full model
+    trained ``steps`` steps at ``fine_lr`` with ``warmup``; its schedule's decay, decay fraction and
+    final ratio are kept for both)."""
+    if init not in LATE_INITS:
+        raise ValueError(f"invalid late_init {init!r}; valid choices are {list(LATE_INITS)}")
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"invalid late_share {share!r}; it must be in (0, 1)")
+    if budget not in ("tokens", "flops"):
+        raise ValueError(f"invalid budget {budget!r}; valid choices are ['tokens', 'flops']")
+    fine = load_config(scratch).model
+    n = doublings(fine.num_layers, layers)
+    small = dataclasses.replace(fine, num_layers=layers)
+    seq = scratch.get("data", {}).get("seq_length", fine.max_sequence_length)
+    r = flops_per_token(small, seq) / flops_per_token(fine, seq)
+    total = steps if budget == "tokens" else int(steps / (share * r + 1.0 - share))
+    small_steps = max(1, round(share * total))
+    after = total - small_steps
+    if after < 1:
+        raise ValueError(f"late: {small_steps} steps of the {layers}-layer model leave no full-depth steps")
+    kept = {k: v for k, v in scratch["training"]["lr"].items() if k in ("decay", "decay_fraction", "min_ratio")}
+    moments = {"grown_moments": grown_moments} if optimizer_state == "map" else {}
+    levels = ([{"steps_before": 0, "steps_after": after, "lr_after": {"peak": fine_lr, "warmup_steps": after_warmup}}]
+              + [{"steps_before": 0, "lr_before": {"peak": fine_lr}} for _ in range(n - 1)]
+              + [{"steps_before": small_steps, "lr_before": {"peak": fine_lr, "warmup_steps": warmup}}])
+    late = copy.deepcopy(scratch)
+    late["training"].pop("train_steps", None)
+    late["multilevel"] = {
+        "enabled": True, "cycle": "grow", "num_levels": n + 1, "alpha": 1.0, "coalesce_width": False,
+        "coalesce_depth": True, "depth_pairing": "halves", "optimizer_state": optimizer_state,
+        "lr_schedule": lr_schedule, **LATE_INITS[init], **moments, "levels": levels}
+    late = with_schedule(late, **kept)
+    source = copy.deepcopy(scratch)
+    source["model"] = dataclasses.asdict(small)
+    source["training"]["train_steps"] = steps if budget == "tokens" else int(steps / r)
+    source["training"]["lr"] = {**scratch["training"]["lr"], "peak": fine_lr,
+                                "warmup_steps": round(warmup * source["training"]["train_steps"] / steps)}
+    match_optimizer_rate(source, fine_lr)
+    return {"late": late, "source": source}
+
+
+def add_schedule_flags(p) -> None:
+    """The benchmark's flags of the schedule every method runs (warmup-stable-decay), of scratch's
+    decay shapes, and of the late expansion (``tools/benchmark_savings.py``)."""
+    p.add_argument("--scratch-decay", "--scratch_decay", nargs="+", default=["cosine"], choices=list(DECAYS),
+                   help="training from scratch with each of these decay shapes (the best run is the baseline)")
+    p.add_argument("--decay", choices=list(DECAYS), default=None,
+                   help="every method's decay shape but scratch's (default: each method's own, cosine)")
+    p.add_argument("--decay-fraction", "--decay_fraction", type=float, default=None,
+                   help="every method's decay over this last share of its schedule's steps, the peak held before "
+                        "(warmup-stable-decay; under --lr-schedule continue one schedule over the run)")
+    p.add_argument("--min-ratio", "--min_ratio", type=float, default=None,
+                   help="every run's final learning rate over its peak, scratch's too (default: the config's 0.1)")
+    p.add_argument("--late-share", "--late_share", type=float, default=0.8,
+                   help="late: share of the steps the small model trains before the expansion (the paper's tau)")
+    p.add_argument("--late-layers", "--late_layers", type=int, default=1,
+                   help="late, source: layers of the small model (the full depth over a power of 2)")
+    p.add_argument("--late-init", "--late_init", choices=list(LATE_INITS), default="copy",
+                   help="late: the new layers: copies, copies with zero residual outputs (identity), fresh "
+                        "(random), or fresh with zero residual outputs (random-identity)")
+    p.add_argument("--grown-moments", "--grown_moments", choices=["map", "zero"], default=None,
+                   help="growths with --optimizer-state map: the new layers' Adam moments zero or the copied "
+                        "layer's (default: late zero, the others as they are)")
