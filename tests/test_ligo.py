@@ -166,7 +166,7 @@ def test_ligo_config_errors():
     base = {"train_batch_size": 4, "model": {"kind": "gpt", "num_layers": 4, "hidden_size": 64,
                                              "num_attention_heads": 4, "vocab_size": 128, "max_sequence_length": 16},
             "data": {"seq_length": 16}}
-    with pytest.raises(ValueError, match=r"growth_operator: invalid value 'learned'; valid choices are \['copy', 'ligo'\]"):
+    with pytest.raises(ValueError, match=r"growth_operator: invalid value 'learned'; valid choices are \['copy', 'ligo', 'random'\]"):
         load_config({**base, "multilevel": {**LIGO, "growth_operator": "learned"}})
     with pytest.raises(ValueError, match="ligo_steps must be a positive integer"):
         load_config({**base, "multilevel": {**LIGO, "ligo_steps": 0}})
