@@ -1,7 +1,7 @@
 # The two commands of the quick start; each creates .venv on first use (tools/setup_env.sh, again
 # when pyproject.toml changes) and reuses it after:
 #
-#   make run     the main job: a multilevel run (the recipe: an F-cycle) on the embedded default and its baseline (launch/pretrain_vcycle.sh)
+#   make run     the main job: a multilevel run (the recipe: an F-cycle) on the embedded default, its baseline and control (launch/pretrain_vcycle.sh)
 #   make test    the tests (python -m pytest -q tests), less the long multi-process cases marked slow
 #   make test-all    every test, the slow ones included
 #

@@ -84,7 +84,7 @@ then
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 # The config and its overrides, checked as the ranks will check them, before anything is spawned.
-"$python_bin" -m megatron_multilevel.config --config "$config" "${module_args[@]}" "${overrides[@]}" || exit $?
+"$python_bin" -m megatron_multilevel.pretrain --check --config "$config" "${module_args[@]}" "${overrides[@]}" || exit $?
 # It has shown the config's warnings; the ranks, checking the same config, do not repeat them.
 export PYTHONWARNINGS="ignore::UserWarning:megatron_multilevel.config.run${PYTHONWARNINGS:+,$PYTHONWARNINGS}"
 

@@ -3,8 +3,11 @@
 NCCL on GPU, gloo on CPU. Megatron needs both initialised even for a single process.
 """
 
+import contextlib
 import glob
+import io
 import os
+import re
 import sys
 import tempfile
 import time
@@ -76,16 +79,34 @@ def init_deepspeed_comm() -> None:
     import deepspeed
 
     cpu = not torch.cuda.is_available()
-    if cpu:
-        clear_stale_extension_locks()  # DeepSpeed loads its CPU communication op below
-    deepspeed.init_distributed(dist_backend=default_backend())
     if not cpu:
-        return  # the segments exist only with DeepSpeed's CPU accelerator
+        deepspeed.init_distributed(dist_backend=default_backend())
+        return
+    clear_stale_extension_locks()  # DeepSpeed loads its CPU communication op below
+    without_built_notice(lambda: deepspeed.init_distributed(dist_backend=default_backend()))  # the segments exist only with DeepSpeed's CPU accelerator
     if dist.get_world_size() > 1:
         dist.barrier()  # every peer has mapped this rank's segment
     segment = _deepspeed_shm_segment(dist.get_rank())
     if os.path.exists(segment):
         os.unlink(segment)
+
+
+# DeepSpeed's print at every load of its CPU communication op, compiled or not (deepspeed/comm/torch.py)
+BUILT_NOTICE = re.compile(r"DeepSpeed \S+ built successfully\n?")
+
+
+def without_built_notice(load) -> None:
+    """Call ``load`` with its standard output held back, then print it less ``BUILT_NOTICE`` lines:
+    every rank of every run printed one, saying nothing a user can act on. DeepSpeed prints it with
+    ``print``, so no logging filter reaches it."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            load()
+    finally:
+        sys.stdout.write("".join(line for line in printed.getvalue().splitlines(keepends=True)
+                                 if not BUILT_NOTICE.fullmatch(line)))
+        sys.stdout.flush()
 
 
 STALE_LOCK_SECONDS = 600.0

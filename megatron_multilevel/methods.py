@@ -77,23 +77,23 @@ METHODS: tuple[Method, ...] = (
            "Chen et al., ACL 2022", flags=("--bert2bert-init",)),
     Method("late", "growth", "late", "the late single expansion: a k-layer model grown once to full depth",
            "Bu, ICML 2026", flags=("--late-share", "--late-layers", "--late-init")),
-    Method("source", "control", "source", "the late expansion's k-layer model alone, on the same tokens",
+    Method("source", "control", "source", "the late expansion's k-layer model alone, on scratch's tokens (or FLOPs)",
            flags=("--late-layers",)),
     Method("ode2", "cycle", "ode", "the multilevel ODE strategy", "Lauga et al., 2025", flags=("--ode",)),
 )
 
-BY_NAME = {m.name: m for m in METHODS}
 NAMES = tuple(m.name for m in METHODS)
 CYCLE_FAMILIES = tuple(dict.fromkeys(m.family for m in METHODS if m.kind == "cycle"))
 GROWTH_FAMILIES = tuple(dict.fromkeys(m.family for m in METHODS if m.kind == "growth"))
 ADVISED = {m.name: m.advice for m in METHODS if m.advice is not None}
 """The growths the planner can write, with what each is and its settings."""
+FAMILIES = tuple(dict.fromkeys(m.family for m in METHODS))
 
 
 def family(name: str) -> str:
     """The family of a run named ``name`` (``fcycle2-depth-ea0.1``: ``fcycle``; ``scratch-lr0.004``:
     ``scratch``)."""
-    for prefix in dict.fromkeys(m.family for m in METHODS):
+    for prefix in FAMILIES:
         if name.startswith(prefix):
             return prefix
     raise AssertionError(f"method {name!r} has no family")

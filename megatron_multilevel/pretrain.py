@@ -11,7 +11,9 @@ Overrides are ``dotted.key=value`` (JSON values; list items by index, e.g.
 ``--with-baseline`` (the default for the embedded default config, ``configs/gpt_tiny_cpu.json``)
 also trains the fine model from scratch on the same data, seed and training FLOPs in
 ``<run>/baseline`` (or reuses a finished one there) and reports the saving at equal quality;
-``--no-baseline`` turns it off.
+``--no-baseline`` turns it off. With it comes the control, the first coarse level's model alone on
+the same FLOPs in ``<run>/control``, which says whether the full model is yet the right model at
+this budget (``--no-control`` skips it).
 """
 
 import argparse
@@ -38,16 +40,24 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         parts = key.split(".")
         node = data
         for i, part in enumerate(parts[:-1]):
-            nxt = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+            nxt = node[_index(node, part, item)] if isinstance(node, list) else node.setdefault(part, {})
             if not isinstance(nxt, (dict, list)):
                 raise ValueError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not an object")
             node = nxt
         last = parts[-1]
         if isinstance(node, list):
-            node[int(last)] = value
+            node[_index(node, last, item)] = value
         else:
             node[last] = value
     return data
+
+
+def _index(node: list, part: str, item: str) -> int:
+    """``part`` as an index into the list ``node``; ValueError naming the override where it is none."""
+    if not part.isdigit() or int(part) >= len(node):
+        raise ValueError(f"override {item!r}: {part!r} is not an index of a list of {len(node)} item(s); valid "
+                         f"indices are {list(range(len(node)))}")
+    return int(part)
 
 
 def parse_args(argv=None):
@@ -58,6 +68,13 @@ def parse_args(argv=None):
                         help="also train the fine model from scratch with the same training FLOPs and report the "
                              "saving (default: only for configs/gpt_tiny_cpu.json)")
     parser.add_argument("--no-baseline", dest="with_baseline", action="store_false", help="no baseline")
+    parser.add_argument("--no-control", dest="control", action="store_false",
+                        help="with the baseline, skip its control (the first coarse level's model alone on the same "
+                             "FLOPs, which says whether the full model is yet the right model at this budget)")
+    parser.add_argument("--check", action="store_true",
+                        help="only read and check the config and its overrides, as the ranks do, and exit (0: valid; "
+                             "2: one line, error: ...); launch/pretrain_vcycle.sh runs it before the DeepSpeed "
+                             "launcher starts anything")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value")
     return parser.parse_args(argv)
 
@@ -70,27 +87,36 @@ def wants_baseline(args, cfg) -> bool:
     return default and cfg.multilevel.enabled
 
 
+def _shape(cfg) -> str:
+    return f"{cfg.model.num_layers} x {cfg.model.hidden_size}"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_multilevel.compat import quiet_library_notices
 
     quiet_library_notices()  # before anything imports DeepSpeed or builds a model
-    from megatron_multilevel.config import load_config
-    from megatron_multilevel.config.parsing import read_json
-    from megatron_multilevel.training.baseline import baseline_config, run_baseline
+    import warnings
 
+    from megatron_multilevel.config import load_config
+    from megatron_multilevel.config.parsing import one_line_warning, read_json
+    from megatron_multilevel.training.baseline import baseline_config, control_config, run_reference
+
+    if args.check:  # every warning of the config one line, as the check shows them before launch
+        warnings.formatwarning = one_line_warning
     try:
         cfg = load_config(apply_overrides(read_json(args.config), args.overrides))
         baseline = baseline_config(cfg) if wants_baseline(args, cfg) else None
+        control = control_config(cfg, baseline) if baseline is not None and args.control else None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.check:
+        return 0
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         # ranks sharing a CPU split its cores instead of oversubscribing them
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-
-    import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning)
     from megatron_multilevel.distributed import init_distributed, shutdown_distributed
@@ -102,9 +128,12 @@ def main(argv=None) -> int:
         init_distributed(cfg.level_tp_sizes()[0], seed=cfg.training.seed)
         Trainer(cfg).run()
         if baseline is not None:
-            run_baseline(cfg, baseline)
+            run_reference(baseline, "baseline", f"the fine model ({_shape(baseline)}) from scratch")
+            if control is not None:
+                run_reference(control, "control", f"the coarse model ({_shape(control)}) alone from scratch")
             if torch.distributed.get_rank() == 0:
-                report_baseline(cfg.training.output_dir, baseline.training.output_dir)
+                report_baseline(cfg.training.output_dir, baseline.training.output_dir,
+                                control.training.output_dir if control is not None else None)
     except (ValueError, TrainingError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         shutdown_distributed()

@@ -111,6 +111,16 @@ def _shm_segments() -> set:
     return {p.name for p in shm.glob("deepspeed_allreduce_buffer_*")} if shm.is_dir() else set()
 
 
+def load_tool(name: str):
+    """The module of ``tools/<name>.py`` (the tools are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def records(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in read_metrics(run_dir) if r["type"] == kind]
 

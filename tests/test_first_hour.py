@@ -139,7 +139,7 @@ def test_optimizer_tables_match_deepspeed_and_torch():
 # ---------------------------------------------------------------- the baseline
 def test_baseline_is_on_for_the_embedded_default_only(tmp_path):
     from megatron_multilevel.pretrain import parse_args, wants_baseline
-    from megatron_multilevel.training.baseline import baseline_config
+    from megatron_multilevel.training.baseline import baseline_config, control_config
 
     cfg = load_config(DEFAULT_CONFIG)
     other = tmp_path / "other.json"
@@ -156,6 +156,15 @@ def test_baseline_is_on_for_the_embedded_default_only(tmp_path):
     assert not base.multilevel.enabled and base.training.seed == cfg.training.seed
     assert base.training.output_dir == os.path.join(cfg.training.output_dir, "baseline")
     assert base.data == cfg.data
+    # its control: the half-depth model of the default's level 1 alone, at level 1's rate
+    assert parse_args(["--config", str(DEFAULT_CONFIG)]).control
+    assert not parse_args(["--config", str(DEFAULT_CONFIG), "--no-control"]).control
+    ctl = control_config(cfg, base)
+    assert not ctl.multilevel.enabled and ctl.training.seed == cfg.training.seed and ctl.data == cfg.data
+    assert (ctl.model.num_layers, ctl.model.hidden_size) == (cfg.model.num_layers // 2, cfg.model.hidden_size)
+    assert ctl.training.lr.peak == json.loads(DEFAULT_CONFIG.read_text())["multilevel"]["levels"][1]["visits"][0]["lr"]["peak"]
+    assert ctl.training.train_steps > base.training.train_steps
+    assert ctl.training.output_dir == os.path.join(cfg.training.output_dir, "control")
 
 
 def test_the_baseline_warms_up_from_scratch_and_anneals_as_the_run_does():
@@ -221,10 +230,10 @@ def test_with_baseline_reports_the_saving_resumes_and_reuses(tmp_path):
     assert not base_dir.exists()
     # the run is finished; its baseline is killed at its step 5, then resumed
     crashed = launch(config, "--with-baseline", env={"MEGATRON_MULTILEVEL_CRASH_AT": "step5"})
-    assert crashed.returncode != 0 and "training the fine model from scratch" in crashed.stdout
+    assert crashed.returncode != 0 and "baseline: training the fine model (" in crashed.stdout
     assert (base_dir / "checkpoints").exists() and not (base_dir / "summary.json").exists()
     out = ok(launch(config, "--with-baseline"))
-    assert "resuming from" in out.split("baseline: training the fine model from scratch")[1]
+    assert "resuming from" in out.split("baseline: training the fine model (")[1].split("control: training")[0]
 
     summary = json.loads((run / "summary.json").read_text())
     block = summary["baseline"]
@@ -258,11 +267,31 @@ def test_with_baseline_reports_the_saving_resumes_and_reuses(tmp_path):
         assert f"not reached: the multilevel run ends at {ours[-1][2]:.4f}, {saving['gap']:.4f} above" in out
     assert (run / "loss_vs_flops.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # a second invocation reuses the finished baseline
+    # the control: the first coarse level's model alone, as many steps as the baseline's FLOPs buy
+    control_dir = run / "control"
+    ctl, ctl_summary = block["control"], json.loads((control_dir / "summary.json").read_text())
+    coarse = next(p for p in summary["phases"] if p["level"] == 1 and p["steps"])
+    coarse_step = coarse["flops"] / coarse["steps"]
+    assert ctl["steps"] == ctl_summary["totals"]["steps"] == round(block["steps"] * fine_step / coarse_step)
+    ctl_cfg = json.loads((control_dir / "config.json").read_text())
+    assert ctl_cfg["multilevel"]["enabled"] is False and ctl_cfg["training"]["seed"] == 5
+    assert (ctl_cfg["model"]["num_layers"], ctl_cfg["model"]["hidden_size"]) == (
+        coarse["model"]["num_layers"], coarse["model"]["hidden_size"])
+    ctl_loss = [r["loss"] for r in records(control_dir, "valid")][-1]
+    assert ctl["final_valid_loss"] == ctl_loss
+    shape = f"{coarse['model']['num_layers']} x {coarse['model']['hidden_size']}"
+    assert (f"control: the coarse model ({shape}) alone from scratch, {ctl['steps']} steps on the same FLOPs: "
+            f"final validation loss {ctl_loss:.4f}") in out
+    regime = ("the full model is not yet the right model at this budget" if ctl_loss <= target
+              else "the full model is the right model here")
+    assert regime in out.split("control: the coarse model")[1]
+
+    # a second invocation reuses the finished baseline and control
     before = (base_dir / "metrics.jsonl").read_bytes()
     out = ok(launch(config, "--with-baseline"))
     assert f"baseline: reusing the finished baseline in {base_dir}" in out
-    assert "training the fine model from scratch" not in out
+    assert f"control: reusing the finished control in {control_dir}" in out
+    assert "training the fine model (" not in out
     assert (base_dir / "metrics.jsonl").read_bytes() == before
     assert json.loads((run / "summary.json").read_text())["baseline"] == block
 

@@ -94,6 +94,9 @@ def test_late_configs_expand_once_through_levels_that_train_no_step():
     small, full = (p.steps for p in (flops.multilevel.phase_specs()[0], flops.multilevel.phase_specs()[-1]))
     assert small > 800 and small / (small + full) == pytest.approx(0.8, abs=1e-3)
     assert small * flops.level_models()[-1].num_layers < 1000 * 16  # (a sanity bound: fewer layer-steps)
+    # the copies as Euler steps: halved at each of the four doublings
+    ode = load_config(late_configs(_scratch(), steps=1000, fine_lr=4e-3, warmup=40, init="copy-ode")["late"])
+    assert (ode.multilevel.growth_operator, ode.multilevel.depth_scaling) == ("copy", "ode")
 
 
 def test_late_configs_errors():
@@ -195,15 +198,34 @@ def test_a_late_expansion_resumes_after_a_kill_in_its_growth(late_run, corpus, t
     assert_close_to_reference(tmp_path / "killed", late_run, **SAME_RUN)
 
 
+def _zero3_after_growth() -> dict:
+    """The 1-layer model at DP=2 under ZeRO-2, the models it grows into at DP=2 under ZeRO-3. (A
+    level that starts a run under ZeRO-3 is built inside ``deepspeed.zero.Init``, which draws its
+    weights anew: it would not start from the one-process run's weights.)"""
+    levels = json.loads(json.dumps(LATE["levels"]))
+    for i, stage in ((0, 3), (1, 3), (2, 2)):
+        levels[i].update(tensor_model_parallel_size=1, deepspeed={"zero_optimization": {"stage": stage}})
+    return {**LATE, "levels": levels}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"parallel": {"tensor_model_parallel_size": 2}}, {"zero_optimization": {"stage": 3}}],
-                         ids=["tp2", "dp2-zero3"])
+@pytest.mark.parametrize("layout", [{"multilevel": LATE, "parallel": {"tensor_model_parallel_size": 2}},
+                                    {"multilevel": _zero3_after_growth()}], ids=["tp2", "dp2-zero3"])
 def test_a_late_expansion_in_two_layouts_is_the_one_process_run(late_run, corpus, tmp_path, layout):
     """The fresh layers' noise is drawn for each full tensor and cut to what a rank holds: at TP 2,
-    and over two data-parallel ranks under ZeRO-3, the run trains the one-process run's model."""
-    config = run_config(tmp_path, corpus, "run", multilevel=LATE, training=KEEP_ALL, **layout)
+    and over two data-parallel ranks whose grown models are partitioned by ZeRO-3, the run trains
+    the one-process run's model."""
+    from megatron_multilevel.checkpoints.convert import load_source
+
+    config = run_config(tmp_path, corpus, "run", training=KEEP_ALL, **layout)
     ok(launch(config, "--num_procs", 2))
     assert_close_to_reference(tmp_path / "run", late_run, abs=2e-4)
+    # the 2-layer model just grown, merged from the ranks' files: the one-process run's
+    ours, ref = (load_source(str(d / "checkpoints" / "phase01-step0000000")).tensors
+                 for d in (tmp_path / "run", late_run["dir"]))
+    assert set(ours) == set(ref)
+    for name, t in ref.items():
+        assert torch.allclose(ours[name].float(), t.float(), atol=1e-5), name
 
 
 @pytest.mark.slow

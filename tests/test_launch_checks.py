@@ -55,6 +55,12 @@ def test_a_bad_config_stops_the_launcher_before_deepspeed(tmp_path):
 def test_a_bad_override_stops_the_launcher_before_deepspeed():
     result = run_launcher(TINY, "training.train_steps=many")
     assert_one_line_before_launch(result, "error: config.training.train_steps: expected an integer, got 'many'")
+    # a list item that is not there: one line naming the valid indices, not an IndexError's traceback
+    result = run_launcher(TINY, "multilevel.levels.2.steps_before=4")
+    assert_one_line_before_launch(result, "error: override 'multilevel.levels.2.steps_before=4': '2' is not an "
+                                          "index of a list of 2 item(s); valid indices are [0, 1]")
+    result = run_launcher(TINY, "multilevel.levels.last.steps_before=4")
+    assert_one_line_before_launch(result, "'last' is not an index of a list of 2 item(s)")
 
 
 def test_the_check_takes_the_ranks_arguments():
@@ -62,7 +68,7 @@ def test_the_check_takes_the_ranks_arguments():
     learning-rate warning is one line."""
     result = run_launcher(TINY, "multilevel.enabled=false", "--with-baseline")
     assert_one_line_before_launch(result, "--with-baseline", "multilevel.enabled is false")
-    check = [sys.executable, "-m", "megatron_multilevel.config", "--config", str(TINY)]
+    check = [sys.executable, "-m", "megatron_multilevel.pretrain", "--check", "--config", str(TINY)]
     quiet = subprocess.run(check, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "", "")
     warned = subprocess.run([*check, "optimizer.params.lr=0.01"], capture_output=True, text=True, cwd=ROOT,

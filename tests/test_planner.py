@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from launch_helpers import load_tool
 from megatron_multilevel.config import load_config
 from megatron_multilevel.study.planner import StudyPoint, fit, leave_one_out, plan, schedule_of
 
@@ -106,11 +107,7 @@ def _row(name, parameters, tpp, saving, schedule=SCHEDULE, stacking=None):
 def test_the_tool_plans_a_config_and_writes_its_schedule(tmp_path, capsys):
     """--config reads the model's parameters and the run's tokens; --write gives the config the
     recipe at the planned share, for its own steps; stacking's saving is not the schedule's."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("plan_schedule", ROOT / "tools" / "plan_schedule.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("plan_schedule")
     share = {**SCHEDULE, "coarse_share": 0.65}
     # the tiny config's 0.31 tokens per parameter lie nearest p2
     _study(tmp_path, [_row("p1", 1e5, 0.03, 0.4), _row("p2", 1e5, 0.3, 0.3, share), _row("p3", 1e5, 10.0, 0.2),
@@ -286,12 +283,7 @@ def test_the_scale_studys_controls_are_read_from_their_own_points(tmp_path, caps
 
 
 def _plan_tool():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("plan_schedule", ROOT / "tools" / "plan_schedule.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    return load_tool("plan_schedule")
 
 
 def test_a_bert_config_is_refused_with_what_was_measured_on_bert():

@@ -1,24 +1,19 @@
 """tools/plan_schedule.py as a user meets it: counts written as people write them, and advice that
 says what it rests on and how far beyond its study points the model asked about lies."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
+from launch_helpers import load_tool
 from megatron_multilevel.study.planner import StudyPoint, plan
 
-ROOT = Path(__file__).resolve().parents[1]
 SCHEDULE = {"cycle": "f", "num_levels": 2, "coarse_share": 0.8, "revisit": 0.5, "ea": 0.1}
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("plan_schedule", ROOT / "tools" / "plan_schedule.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    return load_tool("plan_schedule")
 
 
 def _point(name, parameters, tpp, saving):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from launch_helpers import ROOT, make_corpus, preprocess
+from launch_helpers import ROOT, load_tool, make_corpus, preprocess
 from megatron_multilevel.config import load_config
 from megatron_multilevel.methods import family
 from megatron_multilevel.study.report import collect, normalized_at_flops, normalized_seconds, table
@@ -273,12 +273,7 @@ def test_benchmark_end_to_end(tmp_path):
 
 
 def _tool(name: str = "benchmark_savings"):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(name)
 
 
 @pytest.mark.parametrize("name, steps, fine_lr, warmup, coarse_share", [

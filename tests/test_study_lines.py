@@ -2,13 +2,12 @@
 accepts, ``run_study.sh --list`` shows exactly those points and rows, and the committed records carry
 no path of the machine they were made on."""
 
-import importlib.util
 import re
 import subprocess
 
 import pytest
 
-from launch_helpers import ROOT
+from launch_helpers import ROOT, load_tool
 
 BENCHMARKS = ROOT / "benchmarks"
 LINES = sorted(BENCHMARKS.glob("*/lines"))
@@ -25,10 +24,7 @@ def read_lines(path) -> tuple[str, int, list[str]]:
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_savings", ROOT / "tools" / "benchmark_savings.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("benchmark_savings")
 
 
 def test_there_are_points():

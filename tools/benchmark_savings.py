@@ -29,6 +29,7 @@ every kept run made by the same code and only runs what is missing, and the repo
 """
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -38,7 +39,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 from megatron_multilevel.level_maps import DEPTH_SCALINGS  # noqa: E402
-from megatron_multilevel.methods import NAMES, family  # noqa: E402
+from megatron_multilevel.methods import CYCLE_FAMILIES, NAMES, family  # noqa: E402
 from megatron_multilevel.study.late import add_schedule_flags  # noqa: E402
 from megatron_multilevel.study.report import collect, shape_name, table  # noqa: E402
 from megatron_multilevel.study.runs import reusable, run_result, source_commit, write_json  # noqa: E402
@@ -101,7 +102,6 @@ def fine_lr(args) -> float:
 
 
 def variants(args, base: dict) -> dict[str, dict]:
-    from megatron_multilevel.study.savings import MULTILEVEL_FAMILIES
     from megatron_multilevel.study.late import late_configs, with_schedule
     from megatron_multilevel.study.variants import variant_configs
 
@@ -111,8 +111,8 @@ def variants(args, base: dict) -> dict[str, dict]:
     common = dict(steps=steps, coarse_lr_factor=args.coarse_lr_factor, warmup=max(1, steps // 25),
                   after_warmup=after_warmup, budget=args.budget, perturbation_std=args.perturbation)
     out = {}
-    for lr, decay, shape in ((lr, d, shape) for lr in args.scratch_lr or [fine_lr(args)]
-                             for d in args.scratch_decay_fraction for shape in args.scratch_decay):
+    for lr, decay, shape in itertools.product(args.scratch_lr or [fine_lr(args)], args.scratch_decay_fraction,
+                                              args.scratch_decay):
             # the size's own rate is plain "scratch" (every earlier result's name), any other is named
             # (also under --fine-lr: one name, one config, whatever the other methods' rate); so is
             # a decay over the last part of the steps only (warm-up, stable, decay)
@@ -147,7 +147,7 @@ def variants(args, base: dict) -> dict[str, dict]:
     for name in args.methods:
         # bert2bert grown by AKI is named apart from the FPI runs (results of both can share --results)
         out[name + "-aki" if name == "bert2bert" and args.bert2bert_init == "aki" else name] = main[name]
-    cycles = [name for name in args.methods if family(name) in MULTILEVEL_FAMILIES] or ["vcycle2"]
+    cycles = [name for name in args.methods if family(name) in CYCLE_FAMILIES] or ["vcycle2"]
     sweeps = [("alpha", a, dict(alpha=a)) for a in args.alpha[1:]]
     sweeps += [("ea", e, dict(ea=e)) for e in args.ea[1:]]
     sweeps += [("coarse", c, dict(coarse_share=c)) for c in args.coarse_share[1:]]

@@ -21,10 +21,7 @@ underscores.
 """
 
 import argparse
-import contextlib
-import io
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -83,8 +80,6 @@ def parse_args(argv=None):
     return p.parse_args([a.replace("_", "-") if a in ("to_full", "to_hf", "from_hf", "init_run") else a for a in (argv or sys.argv[1:])])
 
 
-# DeepSpeed's print on every load of its CPU communication op, compiled or not (deepspeed/comm/torch.py)
-BUILT_NOTICE = re.compile(r"DeepSpeed \S+ built successfully\n?")
 STEPS = {
     "to-hf": "loading it, converting its tensors to Hugging Face names, verifying the tensor round trip and the "
              "logits, writing, then checking the written tokenizer and a greedy continuation",
@@ -96,18 +91,12 @@ STEPS = {
 def prepare_checks() -> None:
     """Start the one-process group that the checks build their Megatron model in, saying so first:
     on CPU, DeepSpeed loads its communication op there, compiling it the first time (a minute or
-    more, silently). Its print that the op was built, at every load, is dropped; all else passes."""
+    more, silently)."""
     from megatron_multilevel.distributed import init_single_process
 
     print("preparing the checks: a one-process Megatron environment (on CPU, DeepSpeed compiles its "
           "communication op the first time: a minute or more)", flush=True)
-    printed = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(printed):
-            init_single_process()
-    finally:
-        sys.stdout.write("".join(line for line in printed.getvalue().splitlines(keepends=True)
-                                 if not BUILT_NOTICE.fullmatch(line)))
+    init_single_process()
 
 
 def main(argv=None) -> int:

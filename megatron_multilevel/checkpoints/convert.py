@@ -222,30 +222,40 @@ def _quiet_transformers() -> None:
     logging.set_verbosity_error()
 
 
+def _progress(i: int, n: int, what: str) -> None:
+    """One line per stage of a conversion (each takes seconds to minutes, silently)."""
+    print(f"[{i}/{n}] {what}", flush=True)
+
+
 def to_hf(src: str, out: str, *, overwrite: bool, tokenizer: Optional[str] = None) -> None:
     """Write a ``transformers`` model and, with it, its tokenizer: ``tokenizer`` (a SentencePiece model
     or a Hugging Face tokenizer directory), else the one the source records."""
     _quiet_transformers()
+    _progress(1, 5, f"loading {src}")
     source = load_source(src)
     check_exportable(source.model)
     tokenizer = tokenizer or source.tokenizer
     if tokenizer is not None and not os.path.exists(tokenizer):
         raise ValueError(f"--tokenizer {tokenizer!r} does not exist")
     prepare_output(out, overwrite, src)
+    _progress(2, 5, "converting its tensors to Hugging Face names and back")
     tensors = source.plain_tensors()
     hf_sd = to_hf_state_dict(tensors, source.model)
     _check_round_trip("Megatron -> Hugging Face -> Megatron tensors",
                       verify.mismatched(from_hf_state_dict(hf_sd, source.model), tensors))
+    _progress(3, 5, "building both models and comparing their logits")
     model = hf_model(source.model, hf_sd)
     tokens = verify.fixed_tokens(source.model)
     rows = [("Megatron (source)", f"transformers {type(model).__name__}",
              verify.logits_full(source.tensors, source.model, tokens, step=source.step),
              hf_logits(model, source.model, tokens).float())]
     _require(verify.compare(rows), "the Hugging Face model's logits differ")
+    _progress(4, 5, f"writing {out}")
     model.save_pretrained(out)
     if tokenizer is None:
         print(f"wrote {out} ({type(model).__name__}) without a tokenizer: the source records none; pass --tokenizer")
         return
+    _progress(5, 5, "writing the tokenizer and checking a greedy continuation")
     write_tokenizer(tokenizer, out)
     check_generation(out, tensors, source.model, tokenizer)
     print(f"wrote {out} ({type(model).__name__} and its tokenizer)")
@@ -258,14 +268,17 @@ def from_hf(src: str, out: str, *, fmt: str, overwrite: bool) -> None:
     _quiet_transformers()
     from transformers import AutoConfig
 
+    _progress(1, 4, f"loading {src}")
     hf_cfg = AutoConfig.from_pretrained(src, local_files_only=True)
     model = hf_model_class(hf_cfg.model_type).from_pretrained(src, local_files_only=True).eval()
     hf_sd = {k: v.detach().float() for k, v in model.state_dict().items()}
     cfg = model_config_from_hf(hf_cfg, hf_sd)
+    _progress(2, 4, "converting its tensors to Megatron names and back")
     tensors = from_hf_state_dict(hf_sd, cfg)
     back = to_hf_state_dict(tensors, cfg)
     bad = [k for k in back if k in hf_sd and not torch.equal(back[k], hf_sd[k])]
     _check_round_trip("Hugging Face -> Megatron -> Hugging Face tensors", bad)
+    _progress(3, 4, "building the Megatron model and comparing the logits")
     tokens = verify.fixed_tokens(cfg)
     rows = [(f"transformers {type(model).__name__} (source)", "Megatron", hf_logits(model, cfg, tokens).float(),
              verify.logits_full(tensors, cfg, tokens))]
@@ -273,6 +286,7 @@ def from_hf(src: str, out: str, *, fmt: str, overwrite: bool) -> None:
     from megatron_multilevel.data.tokenizer import HF_TOKENIZER_FILES
 
     has_tokenizer = any(os.path.isfile(os.path.join(src, f)) for f in HF_TOKENIZER_FILES)
+    _progress(4, 4, f"writing {out}")
     save_full(out, tensors, cfg, source={"kind": "huggingface", "path": os.path.abspath(src),
                                          "model_type": hf_cfg.model_type}, fmt=fmt,
               tokenizer=src if has_tokenizer else None)

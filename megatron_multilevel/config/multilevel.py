@@ -7,7 +7,7 @@ from typing import Literal, Optional
 
 from megatron_multilevel.config.deepspeed import check_deepspeed_keys
 from megatron_multilevel.config.ode import OdeConfig
-from megatron_multilevel.config.parsing import check_alpha
+from megatron_multilevel.config.parsing import check_alpha, check_choice
 from megatron_multilevel.config.training import LRConfig, PhaseSpec
 from megatron_multilevel.cycles import arrivals, visit_order
 
@@ -319,9 +319,7 @@ class MultilevelConfig:
                              f"{list(GROWN_MOMENTS)})")
 
     def _check_grown_moments(self) -> None:
-        if self.grown_moments not in GROWN_MOMENTS:
-            raise ValueError(f"multilevel.grown_moments: invalid value {self.grown_moments!r}; valid choices are "
-                             f"{list(GROWN_MOMENTS)}")
+        check_choice("multilevel.grown_moments", self.grown_moments, GROWN_MOMENTS)
         if self.grown_moments == "map":
             return
         if self.optimizer_state != "map":

@@ -25,6 +25,12 @@ def read_json(path: "str | os.PathLike") -> Any:
         raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
+def one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A config warning as ``warning: message``, without the file, line and source of the call
+    (a ``warnings.formatwarning``)."""
+    return f"warning: {message}\n"
+
+
 def parse_dataclass(cls: type, data: Any, path: str) -> Any:
     """Build ``cls`` from ``data``; every key of ``data`` must be a field of ``cls``."""
     if isinstance(data, cls):

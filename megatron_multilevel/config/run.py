@@ -37,7 +37,7 @@ from megatron_multilevel.config.parallel import (
     check_sequence_parallel_supported,
     resolve_sequence_parallel,
 )
-from megatron_multilevel.config.parsing import parse_dataclass, read_json, to_dict
+from megatron_multilevel.config.parsing import one_line_warning, parse_dataclass, read_json, to_dict
 from megatron_multilevel.config.training import TrainingConfig
 from megatron_multilevel.cycles import arrivals
 
@@ -101,7 +101,7 @@ class RunConfig:
         fine = [spec for spec in self.multilevel.phase_specs() if spec.level == 0 and spec.steps]
         if fine and fine[0].lr.peak != rate:
             shown_as = warnings.formatwarning  # shown as one line, without the file and source line of the call
-            warnings.formatwarning = lambda message, *_: f"warning: {message}\n"
+            warnings.formatwarning = one_line_warning
             try:
                 warnings.warn(
                     f"optimizer.params.lr = {rate!r} is not used by a multilevel run: the full model's first phase "

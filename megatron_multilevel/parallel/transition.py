@@ -237,15 +237,26 @@ def _perturb(values: dict, std: float, seed: int, writer: ModelWriter, layer: Op
     if not std:
         return values
     key, prefix = ("model", "") if layer is None else (f"layer{layer}", layer_prefix(writer.cfg, layer))
+    noise = _seeded_noise(writer, seed, key, prefix)
     out = {}
     for name, t in values.items():
         if t.numel() <= 1:
             out[name] = t
             continue
-        gen = torch.Generator().manual_seed(seed + zlib.crc32(f"{key}/{name}".encode()))
-        noise = writer.full_tensor_noise(prefix + name, t.shape, gen).to(t.device)
-        out[name] = (t.float() + std * writer.full_tensor_std(prefix + name, t) * noise).to(t.dtype)
+        out[name] = (t.float() + std * writer.full_tensor_std(prefix + name, t) * noise(name, t.shape).to(t.device)
+                     ).to(t.dtype)
     return out
+
+
+def _seeded_noise(writer: ModelWriter, seed: int, key: str, prefix: str):
+    """Standard normal noise for a parameter ``name`` (under ``prefix``) of shape ``shape``, seeded by
+    ``seed``, ``key`` and the name and drawn for the full tensor (``ModelWriter.full_tensor_noise``),
+    so that every layout draws the same."""
+    def noise(name: str, shape) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed + zlib.crc32(f"{key}/{name}".encode()))
+        return writer.full_tensor_noise(prefix + name, shape, gen)
+
+    return noise
 
 
 def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, alpha: float, *,
@@ -296,10 +307,5 @@ def _grown_layer(copied: dict, grown: str, writer: ModelWriter, level_map: Level
         return copied
     if grown == "zero":
         return {name: torch.zeros_like(t) for name, t in copied.items()}
-    prefix = layer_prefix(writer.cfg, layer)
-
-    def noise(name, shape):
-        gen = torch.Generator().manual_seed(seed + zlib.crc32(f"fresh/layer{layer}/{name}".encode()))
-        return writer.full_tensor_noise(prefix + name, shape, gen)
-
+    noise = _seeded_noise(writer, seed, f"fresh/layer{layer}", layer_prefix(writer.cfg, layer))
     return fresh_layer(copied, level_map.fine, noise, zero_residual=level_map.depth_scaling == "identity")

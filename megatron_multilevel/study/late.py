@@ -10,6 +10,9 @@ embeddings and the output layer only) is not built: Megatron-Core's transformer 
 one layer. New layers start as ``init`` says:
 
 - ``copy``: copies of the trained layer (``depth_scaling`` none);
+- ``copy-ode``: copies whose residual branches' outputs are halved at each doubling (``depth_scaling``
+  ode: 1/2^n in all, the one layer's step taken as 2^n Euler steps; the 1/L branch multiplier of
+  depth-muP, with which the paper trains both depths);
 - ``identity``: copies with their residual branches' output weights zero (function-preserving);
 - ``random``: Megatron-Core's fresh initialisation (``growth_operator`` random);
 - ``random-identity``: fresh, with zero residual outputs (function-preserving).
@@ -31,6 +34,7 @@ from megatron_multilevel.flops import flops_per_token
 
 LATE_INITS = {
     "copy": dict(growth_operator="copy", depth_scaling="none"),
+    "copy-ode": dict(growth_operator="copy", depth_scaling="ode"),
     "identity": dict(growth_operator="copy", depth_scaling="identity"),
     "random": dict(growth_operator="random", depth_scaling="none"),
     "random-identity": dict(growth_operator="random", depth_scaling="identity"),

@@ -180,19 +180,14 @@ def format_saving(s: dict) -> str:
             f"{s['reached']}/{s['n']}{bound}{more}")
 
 
-# the cycles of this project, and the growth methods (progressive stacking, as published or with this
-# project's levers, and the peers), as the table of methods declares them
-MULTILEVEL_FAMILIES = CYCLE_FAMILIES
-
-
 def best_multilevel(row: dict) -> Optional[str]:
     """The multilevel method (a cycle of this project, not stacking or a control) of a study row
     (:func:`study_rows`) with the highest median equal-quality FLOPs saving, or None where none has one."""
-    return _best_of(row, MULTILEVEL_FAMILIES)
+    return _best_of(row, CYCLE_FAMILIES)
 
 
 def best_growth(row: dict) -> Optional[str]:
-    """The growth method (progressive stacking or a published peer, :data:`GROWTH_FAMILIES`) of a
+    """The growth method (progressive stacking or a published peer, :data:`megatron_multilevel.methods.GROWTH_FAMILIES`) of a
     study row with the highest median equal-quality FLOPs saving, or None where none has one."""
     return _best_of(row, GROWTH_FAMILIES)
 

@@ -1,14 +1,16 @@
 """The baseline of a multilevel run (``--with-baseline``): the fine model trained from scratch on
 the same data and seed with the same training FLOPs, in ``<run>/baseline``, and what the
-multilevel run saved against it.
+multilevel run saved against it; and its control (``<run>/control``, unless ``--no-control``):
+the first coarse level's model alone from scratch on the same FLOPs, which says whether the full
+model is yet the right model at this budget (where the control does as well as the baseline, a
+saving shows only that the full model was not needed).
 
 The saving is the savings benchmark's, at equal quality (``study/baseline.py``, called by the entry
 point once the baseline has run): the training FLOPs and wall-clock seconds (training and
 transitions) the run needs to first reach the validation loss the baseline ends at, against what
 the baseline needs to reach it; or, when the run never reaches it, how far above it the run ends.
-The baseline runs in the same processes as
-the run, after it, and like it resumes after a kill; a finished baseline of the same config is
-reused.
+Both run in the same processes as the run, after it, and like it resume after a kill; a finished
+one of the same config is reused.
 """
 
 import dataclasses
@@ -20,10 +22,12 @@ import shutil
 import torch.distributed as dist
 
 from megatron_multilevel.config import RunConfig, config_to_dict, deep_merge, load_config, match_optimizer_rate
+from megatron_multilevel.flops import flops_per_token
 from megatron_multilevel.records import SUMMARY
 from megatron_multilevel.training.schedule import build_phases, fine_equivalent_steps
 
 BASELINE_DIR = "baseline"
+CONTROL_DIR = "control"
 
 
 def baseline_config(cfg: RunConfig) -> RunConfig:
@@ -55,6 +59,28 @@ def baseline_config(cfg: RunConfig) -> RunConfig:
     return load_config(data)
 
 
+def control_config(cfg: RunConfig, base: RunConfig) -> RunConfig:
+    """The control of the multilevel run ``cfg`` whose baseline is ``base``: level 1's model
+    (the first coarse one) alone from scratch, with as many steps as spend the baseline's training
+    FLOPs, the same share of them warming up and the baseline's decay; level 1's first peak rate,
+    tensor-parallel size and DeepSpeed overrides; ``training.output_dir`` ``<run>/control``."""
+    models, seq = cfg.level_models(), cfg.data.seq_length
+    assert len(models) > 1, "a multilevel run has a coarse level"
+    steps = max(1, round(base.training.train_steps * flops_per_token(models[0], seq)
+                         / flops_per_token(models[1], seq)))
+    peak = next((p.lr.peak for p in build_phases(cfg) if p.level == 1 and p.steps), base.training.lr.peak)
+    warmup = round(base.training.lr.warmup_steps * steps / base.training.train_steps)
+    lr = dataclasses.replace(base.training.lr, peak=peak, warmup_steps=warmup)
+    data = deep_merge(config_to_dict(cfg), cfg.level_deepspeed(1))
+    data["model"] = dataclasses.asdict(models[1])
+    data["multilevel"] = {"enabled": False}
+    data["parallel"] = {"tensor_model_parallel_size": cfg.level_tp_sizes()[1]}
+    data["training"].update(train_steps=steps, lr=dataclasses.asdict(lr),
+                            output_dir=os.path.join(cfg.training.output_dir, CONTROL_DIR))
+    match_optimizer_rate(data, peak)
+    return load_config(data)
+
+
 def _state(cfg: RunConfig) -> str:
     """``finished`` (a summary and this very config), ``started`` (this config, no summary: the
     trainer resumes it), ``other`` (a run of another config, or of none) or ``none``."""
@@ -71,24 +97,25 @@ def _state(cfg: RunConfig) -> str:
     return "finished" if os.path.isfile(os.path.join(run_dir, SUMMARY)) else "started"
 
 
-def run_baseline(cfg: RunConfig, base: RunConfig) -> None:
-    """Train (or resume, or reuse) the baseline ``base`` of the finished run ``cfg`` on every rank
-    (the comparison is the study's: ``study/baseline.py``)."""
+def run_reference(ref: RunConfig, name: str, about: str) -> None:
+    """Train (or resume, or reuse) the reference run ``ref`` (the baseline or the control, ``name``;
+    ``about`` says what it trains) on every rank, after the multilevel run (the comparison is the
+    study's: ``study/baseline.py``)."""
     from megatron_multilevel.training.trainer import Trainer
 
-    rank, base_dir = dist.get_rank(), base.training.output_dir
-    decision = [_state(base) if rank == 0 else None]
+    rank, ref_dir = dist.get_rank(), ref.training.output_dir
+    decision = [_state(ref) if rank == 0 else None]
     dist.broadcast_object_list(decision, src=0)  # one decision, whatever each rank's file system shows
     state = decision[0]
     if rank == 0 and state == "finished":
-        print(f"baseline: reusing the finished baseline in {base_dir}", flush=True)
+        print(f"{name}: reusing the finished {name} in {ref_dir}", flush=True)
     elif rank == 0:
         if state == "other":
-            print(f"baseline: {base_dir} holds a run of another config; removing it", flush=True)
-            shutil.rmtree(base_dir)
-        print(f"baseline: training the fine model from scratch for {base.training.train_steps} steps (the run's "
-              f"training FLOPs) in {base_dir}", flush=True)
+            print(f"{name}: {ref_dir} holds a run of another config; removing it", flush=True)
+            shutil.rmtree(ref_dir)
+        print(f"{name}: training {about} for {ref.training.train_steps} steps (the run's training FLOPs) in "
+              f"{ref_dir}", flush=True)
     dist.barrier()
     if state != "finished":
         gc.collect()  # the run's engines
-        Trainer(base).run()
+        Trainer(ref).run()
