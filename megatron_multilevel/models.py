@@ -18,6 +18,7 @@ from megatron_multilevel.config import ModelConfig, check_sequence_parallel_supp
 from megatron_multilevel.cpu_shims import apply_cpu_shims
 from megatron_multilevel.parallel.tp_layout import partition_dim
 from megatron_multilevel.plan import is_metadata, parameter_plan
+from megatron_multilevel.residual_step import set_residual_step
 
 
 ACTIVATIONS = {
@@ -104,7 +105,9 @@ def build_model(
     model = _build(cfg, params_dtype, perform_initialization, sequence_parallel)
     if not perform_initialization:
         _set_tensor_parallel_attributes(model, cfg)
-    return model
+    # Depth-muP's branch multiplier: Megatron-Core's layers have none, so a forward hook on each
+    # residual branch multiplies its output (the hook the ODE strategy's coarse step uses).
+    return set_residual_step(model, cfg.branch_multiplier)
 
 
 def _set_tensor_parallel_attributes(model: torch.nn.Module, cfg: ModelConfig) -> None:

@@ -41,6 +41,7 @@ from typing import Literal, Mapping, Optional, Sequence
 
 import torch
 
+from megatron_multilevel.config import ModelConfig
 from megatron_multilevel.level_maps import LayerSelection
 from megatron_multilevel.operators import split_layers
 from megatron_multilevel.plan import is_metadata, layer_prefix, parameter_plan
@@ -102,6 +103,21 @@ def fold_step(coarse: Mapping[str, torch.Tensor], selection: LayerSelection) -> 
     for i, layer in enumerate(layers):
         folded = scale_residuals(layer, selection, float(selection.forward_step))
         out.update({layer_prefix(selection.coarse, i) + name: t for name, t in folded.items()})
+    return out
+
+
+def fold_branch_multiplier(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
+    """The parameters of the plain model (no branch multiplier) that computes what a depth-muP model
+    of ``cfg`` computes: its branch multiplier folded into every residual branch's output weights
+    and biases (a copy for a model without depth-muP)."""
+    factor = float(cfg.branch_multiplier)
+    rules = parameter_plan(cfg).layer
+    model, layers = split_layers(state_dict, cfg, cfg.num_layers, "model")
+    out = {name: t.clone() for name, t in model.items()}
+    for i, layer in enumerate(layers):
+        for name, t in layer.items():
+            scaled = rules[name].residual and factor != 1.0
+            out[layer_prefix(cfg, i) + name] = (t.to(_compute_dtype(t)) * factor).to(t.dtype) if scaled else t.clone()
     return out
 
 

@@ -31,7 +31,8 @@ ACCEPTED = {
         "hidden_dropout", "hidden_size", "init_method_std", "kind", "kv_channels",
         "layernorm_epsilon", "max_sequence_length", "normalization", "num_attention_heads",
         "num_layers", "num_query_groups", "num_tokentypes", "position_embedding_type",
-        "rotary_base", "share_embeddings_and_output_weights", "transformer_impl", "vocab_size",
+        "depth_mup_base_layers", "depth_mup_exponent", "rotary_base", "share_embeddings_and_output_weights",
+        "transformer_impl", "vocab_size",
     ],
     MultilevelConfig: [
         "alpha", "coalesce_depth", "coalesce_width", "depth_pairing", "depth_scaling", "enabled",

@@ -102,7 +102,7 @@ def fine_lr(args) -> float:
 
 
 def variants(args, base: dict) -> dict[str, dict]:
-    from megatron_multilevel.study.late import late_configs, with_schedule
+    from megatron_multilevel.study.late import late_configs, mup_suffix, with_depth_mup, with_schedule
     from megatron_multilevel.study.variants import variant_configs
 
     size = SIZES[args.size]
@@ -168,6 +168,8 @@ def variants(args, base: dict) -> dict[str, dict]:
     out = {name: cfg if name.startswith("scratch") else with_schedule(
         cfg, decay=args.decay, decay_fraction=args.decay_fraction, min_ratio=args.min_ratio,
         grown_moments=args.grown_moments) for name, cfg in out.items()}
+    out = {name + mup_suffix(args) * name.startswith("scratch"): with_depth_mup(cfg, args.depth_mup, args.depth_mup_base)
+           for name, cfg in out.items()}
     # a tag names the settings, so that variants of one method can share a results directory
     return {name if name.startswith("scratch") else name + args.tag: cfg for name, cfg in out.items()}
 

@@ -20,7 +20,7 @@ from megatron_multilevel.checkpoints.hf_generation import check_generation, writ
 from megatron_multilevel.config import DataConfig, ModelConfig, check_alpha, check_model_parallel
 from megatron_multilevel.data.tokenizer import run_tokenizer_copy
 from megatron_multilevel.level_maps import LayerSelection, LevelMap, make_level_map
-from megatron_multilevel.ode_operators import fold_step
+from megatron_multilevel.ode_operators import fold_branch_multiplier, fold_step
 from megatron_multilevel.operators import coalesce, decoalesce, interpolate
 from megatron_multilevel.parallel.tp_layout import shard
 from megatron_multilevel.plan import parameter_plan
@@ -239,16 +239,18 @@ def to_hf(src: str, out: str, *, overwrite: bool, tokenizer: Optional[str] = Non
         raise ValueError(f"--tokenizer {tokenizer!r} does not exist")
     prepare_output(out, overwrite, src)
     _progress(2, 5, "converting its tensors to Hugging Face names and back")
-    tensors = source.plain_tensors()
-    hf_sd = to_hf_state_dict(tensors, source.model)
+    # the plain model of the same function: an ODE step and a depth-muP multiplier folded in
+    cfg = dataclasses.replace(source.model, depth_mup_base_layers=None)
+    tensors = fold_branch_multiplier(source.plain_tensors(), source.model)
+    hf_sd = to_hf_state_dict(tensors, cfg)
     _check_round_trip("Megatron -> Hugging Face -> Megatron tensors",
-                      verify.mismatched(from_hf_state_dict(hf_sd, source.model), tensors))
+                      verify.mismatched(from_hf_state_dict(hf_sd, cfg), tensors))
     _progress(3, 5, "building both models and comparing their logits")
-    model = hf_model(source.model, hf_sd)
-    tokens = verify.fixed_tokens(source.model)
+    model = hf_model(cfg, hf_sd)
+    tokens = verify.fixed_tokens(cfg)
     rows = [("Megatron (source)", f"transformers {type(model).__name__}",
              verify.logits_full(source.tensors, source.model, tokens, step=source.step),
-             hf_logits(model, source.model, tokens).float())]
+             hf_logits(model, cfg, tokens).float())]
     _require(verify.compare(rows), "the Hugging Face model's logits differ")
     _progress(4, 5, f"writing {out}")
     model.save_pretrained(out)
@@ -257,7 +259,7 @@ def to_hf(src: str, out: str, *, overwrite: bool, tokenizer: Optional[str] = Non
         return
     _progress(5, 5, "writing the tokenizer and checking a greedy continuation")
     write_tokenizer(tokenizer, out)
-    check_generation(out, tensors, source.model, tokenizer)
+    check_generation(out, tensors, cfg, tokenizer)
     print(f"wrote {out} ({type(model).__name__} and its tokenizer)")
 
 

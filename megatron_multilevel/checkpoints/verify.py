@@ -39,7 +39,7 @@ def single_process_model(tensors: dict, cfg: ModelConfig, *, step: float = 1) ->
     set_tensor_model_parallel_size(1)
     model = build_model(cfg, perform_initialization=False)
     load_parameters(model, tensors)
-    return set_residual_step(model, step).eval()
+    return set_residual_step(model, step * cfg.branch_multiplier).eval()
 
 
 def logits_full(tensors: dict, cfg: ModelConfig, tokens: torch.Tensor, *, step: float = 1) -> torch.Tensor:
@@ -69,7 +69,7 @@ def _layout_worker(rank, world, shards, model_dict, tokens, step):
     cfg = parse_dataclass(ModelConfig, model_dict, "model")
     model = build_model(cfg, perform_initialization=False)
     load_parameters(model, shards[rank])
-    return gathered_logits(set_residual_step(model, step), cfg, tokens)
+    return gathered_logits(set_residual_step(model, step * cfg.branch_multiplier), cfg, tokens)
 
 
 def logits_in_layout(shards: list[dict], cfg: ModelConfig, tokens: torch.Tensor, *, step: float = 1) -> torch.Tensor:

@@ -57,6 +57,15 @@ class ModelConfig:
     """BERT pooler and next-sentence head."""
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     """Layer spec: Transformer Engine where installed and on GPU (``auto``), or Megatron's local one."""
+    depth_mup_base_layers: Optional[int] = None
+    """Depth-muP (off: None): the depth at which this parametrisation is the standard one. A model of
+    ``L`` layers multiplies each residual branch's output by ``(base / L) ** depth_mup_exponent``
+    and trains its transformer layers' parameters at ``(base / L) ** (1 - depth_mup_exponent)``
+    times the learning rate (Adam's rule), so that one learning rate serves every depth: the small
+    and the full model of a growth, every level of a cycle."""
+    depth_mup_exponent: float = 1.0
+    """Depth-muP's exponent: 1 (CompleteP, Dey et al. 2025: branches times ``base / L``, the layers'
+    rate unchanged) to 0.5 (Depth-muP, Yang et al. 2023: branches and rate times ``sqrt(base / L)``)."""
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
@@ -87,6 +96,11 @@ class ModelConfig:
             raise ValueError("model.num_tokentypes and model.add_binary_head are BERT-only")
         if self.add_binary_head and self.num_tokentypes < 2:
             raise ValueError("model.add_binary_head needs model.num_tokentypes >= 2")
+        if self.depth_mup_base_layers is not None:
+            check_positive("model.depth_mup_base_layers", self.depth_mup_base_layers)
+        if not 0.5 <= self.depth_mup_exponent <= 1.0:
+            raise ValueError(f"model.depth_mup_exponent must be in [0.5, 1] (0.5: Depth-muP, 1: CompleteP), "
+                             f"got {self.depth_mup_exponent}")
 
     @property
     def heads_per_group(self) -> int:
@@ -95,6 +109,20 @@ class ModelConfig:
     @property
     def gated(self) -> bool:
         return self.activation == "swiglu"
+
+    @property
+    def branch_multiplier(self) -> float:
+        """What each residual branch's output is multiplied by (1 without depth-muP)."""
+        if self.depth_mup_base_layers is None:
+            return 1.0
+        return (self.depth_mup_base_layers / self.num_layers) ** self.depth_mup_exponent
+
+    @property
+    def layer_lr_factor(self) -> float:
+        """The transformer layers' learning rate over the rest's (1 without depth-muP)."""
+        if self.depth_mup_base_layers is None:
+            return 1.0
+        return (self.depth_mup_base_layers / self.num_layers) ** (1.0 - self.depth_mup_exponent)
 
 
 def coarse_model_config(cfg: ModelConfig, *, width: bool, depth: bool) -> ModelConfig:

@@ -78,6 +78,21 @@ def with_schedule(config: dict, *, decay=None, decay_fraction=None, min_ratio=No
     return out
 
 
+def with_depth_mup(config: dict, exponent=None, base_layers: int = 1) -> dict:
+    """``config`` with every model in it under depth-muP (``exponent``, at ``base_layers``; None:
+    ``config`` as it is). The levels' models are the fine model's, halved: they follow it."""
+    if exponent is None:
+        return config
+    out = copy.deepcopy(config)
+    out.setdefault("model", {}).update(depth_mup_base_layers=base_layers, depth_mup_exponent=exponent)
+    return out
+
+
+def mup_suffix(args) -> str:
+    """What a scratch run's name gains under ``--depth-mup`` (its runs apart from the plain ones)."""
+    return "" if args.depth_mup is None else f"-mup{args.depth_mup:g}-base{args.depth_mup_base}"
+
+
 def late_configs(scratch: dict, *, steps: int, fine_lr: float, warmup: int, share: float = 0.8, layers: int = 1,
                  init: str = "copy", optimizer_state: str = "map", grown_moments: str = "zero",
                  lr_schedule: str = "continue", after_warmup: int = 0, budget: str = "tokens") -> dict[str, dict]:
@@ -133,6 +148,12 @@ def add_schedule_flags(p) -> None:
                         "(warmup-stable-decay; under --lr-schedule continue one schedule over the run)")
     p.add_argument("--min-ratio", "--min_ratio", type=float, default=None,
                    help="every run's final learning rate over its peak, scratch's too (default: the config's 0.1)")
+    p.add_argument("--depth-mup", "--depth_mup", type=float, default=None, metavar="EXPONENT",
+                   help="every run (scratch's too, named apart) under depth-muP: residual branches times "
+                        "(base / L) ** EXPONENT, the layers' rate times (base / L) ** (1 - EXPONENT); 1: CompleteP, "
+                        "0.5: Depth-muP")
+    p.add_argument("--depth-mup-base", "--depth_mup_base", type=int, default=1,
+                   help="--depth-mup: the depth whose model is the standard one (the late source's, 1)")
     p.add_argument("--late-share", "--late_share", type=float, default=0.8,
                    help="late: share of the steps the small model trains before the expansion (the paper's tau)")
     p.add_argument("--late-layers", "--late_layers", type=int, default=1,

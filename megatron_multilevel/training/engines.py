@@ -97,13 +97,15 @@ class LevelEngines:
             return torch.float16
         return torch.float32
 
-    def residual_step(self, level: int) -> int:
+    def residual_step(self, level: int) -> float:
         """What the forward pass of ``level``'s model multiplies each layer's residual-branch
-        outputs by: the ODE strategy's coarse step in its explicit parametrisation, else 1."""
+        outputs by: depth-muP's branch multiplier (1 without it) times the ODE strategy's coarse
+        step in its explicit parametrisation (1 elsewhere)."""
         ml = self.cfg.multilevel
+        multiplier = self.models[level].branch_multiplier
         if level == 0 or not ml.enabled or ml.strategy != "ode":
-            return 1
-        return LayerSelection(self.models[0], 0, ml.ode.residual_scale, ml.ode.parametrisation).forward_step
+            return multiplier
+        return multiplier * LayerSelection(self.models[0], 0, ml.ode.residual_scale, ml.ode.parametrisation).forward_step
 
     def build_initial_model(self, level: int) -> torch.nn.Module:
         """A freshly initialised model of ``level`` in its layout (partitioned at creation under ZeRO-3)."""
@@ -146,16 +148,28 @@ class LevelEngines:
 
         config = self.ds_config(level, lr_peak)
         weight_decay = config["optimizer"]["params"].get("weight_decay", 0.0)
-        decay, no_decay = [], []
-        for name, p in model.named_parameters():
-            # No weight decay on biases and norms (Megatron's convention).
-            (no_decay if name.endswith("bias") or "norm" in name else decay).append(p)
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = parameter_groups(model.named_parameters(), weight_decay, lr_peak, self.models[level].layer_lr_factor)
         engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=[g for g in groups if g["params"]], config=config, mpu=mpu,
+            model=model, model_parameters=groups, config=config, mpu=mpu,
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor),
         )
         return engine
+
+
+def parameter_groups(named_parameters, weight_decay: float, lr: float, layer_lr_factor: float = 1.0) -> list[dict]:
+    """The optimizer's parameter groups: no weight decay on biases and norms (Megatron's
+    convention); with depth-muP (``layer_lr_factor`` not 1) the transformer layers' parameters in
+    groups of their own at ``lr * layer_lr_factor``. Empty groups are left out; the order is fixed
+    (decayed weights, then biases and norms; the layers' after the rest's), as the checkpoint's
+    optimizer state is."""
+    groups: dict[tuple[bool, bool], list] = {(d, l): [] for l in (False, True) for d in (True, False)}
+    for name, p in named_parameters:
+        decayed = not (name.endswith("bias") or "norm" in name)
+        in_layer = layer_lr_factor != 1.0 and ".layers." in name
+        groups[decayed, in_layer].append(p)
+    return [{"params": params, "weight_decay": weight_decay if decayed else 0.0,
+             **({"lr": lr * layer_lr_factor} if in_layer else {})}
+            for (decayed, in_layer), params in groups.items() if params]
 
 
 def build_empty_model(cfg: ModelConfig, layout: Layout, ds_config: Optional[dict] = None, *,

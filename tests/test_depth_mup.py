@@ -1,0 +1,177 @@
+"""Depth-muP as an option of the model: each residual branch's output times (base / L) ** a, the
+transformer layers' learning rate times (base / L) ** (1 - a); what a run of it trains (the
+optimizer's groups read straight from DeepSpeed's checkpoint file), its Hugging Face export, and
+the same run in another layout."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import random_state_dict, small_config
+from launch_helpers import KEEP_ALL, assert_close_to_reference, launch, ok, run_config
+from megatron_multilevel.config import ModelConfig
+from megatron_multilevel.training.engines import parameter_groups
+
+
+def test_the_multiplier_and_the_layers_rate_follow_depth():
+    def cfg(**kw):
+        return ModelConfig(num_layers=16, hidden_size=32, num_attention_heads=4, vocab_size=64, **kw)
+
+    assert (cfg().branch_multiplier, cfg().layer_lr_factor) == (1.0, 1.0)
+    complete = cfg(depth_mup_base_layers=1)  # CompleteP: 1/16, the rate unchanged
+    assert (complete.branch_multiplier, complete.layer_lr_factor) == (0.0625, 1.0)
+    depth = cfg(depth_mup_base_layers=4, depth_mup_exponent=0.5)  # sqrt(4 / 16) for both
+    assert (depth.branch_multiplier, depth.layer_lr_factor) == (0.5, 0.5)
+    at_base = cfg(depth_mup_base_layers=16, depth_mup_exponent=0.5)
+    assert (at_base.branch_multiplier, at_base.layer_lr_factor) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("change, key", [(dict(depth_mup_exponent=0.25), "model.depth_mup_exponent"),
+                                         (dict(depth_mup_base_layers=0), "model.depth_mup_base_layers")])
+def test_invalid_depth_mup_is_one_clear_error(change, key):
+    with pytest.raises(ValueError, match=key):
+        ModelConfig(num_layers=4, **{"depth_mup_base_layers": 1, **change})
+
+
+def test_parameter_groups_put_the_layers_apart_at_their_rate():
+    names = ["embedding.word_embeddings.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
+             "decoder.layers.0.self_attention.linear_qkv.bias", "decoder.layers.1.mlp.linear_fc1.layer_norm_weight",
+             "decoder.final_layernorm.weight", "output_layer.bias"]
+    params = {n: torch.nn.Parameter(torch.zeros(1)) for n in names}
+    plain = parameter_groups(params.items(), 0.1, 1e-3)
+    assert [([id(p) for p in g["params"]], g["weight_decay"], g.get("lr")) for g in plain] == [
+        ([id(params[names[0]]), id(params[names[1]])], 0.1, None),
+        ([id(params[n]) for n in names[2:]], 0.0, None)]
+    mup = parameter_groups(params.items(), 0.1, 1e-3, 0.25)
+    assert [([id(p) for p in g["params"]], g["weight_decay"], g.get("lr")) for g in mup] == [
+        ([id(params[names[0]])], 0.1, None),
+        ([id(params[n]) for n in names[4:]], 0.0, None),
+        ([id(params[names[1]])], 0.1, 2.5e-4),
+        ([id(params[n]) for n in names[2:4]], 0.0, 2.5e-4)]
+
+
+def _folded_by_hand(state: dict, factor: float) -> dict:
+    """The residual branches' output projections (weights and biases) times ``factor``."""
+    return {k: v * factor if (".linear_proj." in k or ".linear_fc2." in k) else v.clone() for k, v in state.items()}
+
+
+@pytest.mark.usefixtures("dist_single")
+@pytest.mark.parametrize("variant", ["gpt_tied", "gpt_llama", "bert_tied"])
+def test_a_depth_mup_model_computes_its_folded_plain_model(variant):
+    """Built with depth-muP (4 layers at base 1, exponent 0.5: branches times 1/2), a model computes
+    what the plain model computes with its output projections halved by hand; folding by
+    ``fold_branch_multiplier`` gives those weights."""
+    from megatron_multilevel.checkpoints.verify import logits_full
+    from megatron_multilevel.models import build_model, load_parameters, model_logits
+    from megatron_multilevel.ode_operators import fold_branch_multiplier
+
+    plain = small_config(variant)
+    mup = small_config(variant, depth_mup_base_layers=1, depth_mup_exponent=0.5)
+    state = random_state_dict(plain, seed=3)
+    tokens = torch.randint(0, plain.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    model = build_model(mup, perform_initialization=False)
+    load_parameters(model, state)
+    with torch.no_grad():
+        ours = model_logits(model.eval(), mup, tokens).float()
+    assert torch.allclose(logits_full(state, mup, tokens), ours, atol=1e-5)
+    by_hand = logits_full(_folded_by_hand(state, 0.5), plain, tokens)
+    assert torch.allclose(ours, by_hand, atol=1e-5)
+    assert not torch.allclose(ours, logits_full(state, plain, tokens), atol=1e-2)
+    folded = fold_branch_multiplier(state, mup)
+    for name, t in _folded_by_hand(state, 0.5).items():
+        assert torch.equal(folded[name], t), name
+
+
+WSD = {"peak": 2e-3, "decay": "1-sqrt", "decay_fraction": 0.5, "min_ratio": 0.0}
+# depth-muP at base 1, exponent 0.5: the 1-layer model is the standard one; the 4-layer model's
+# branches take 1/2 and its layers train at half the rate. Copies of the trained layer, 8 steps of
+# the 1-layer model, the 2-layer level trains none, 6 of the full model.
+MUP = {"depth_mup_base_layers": 1, "depth_mup_exponent": 0.5}
+LATE = {"enabled": True, "cycle": "grow", "num_levels": 3, "alpha": 1.0, "coalesce_width": False,
+        "coalesce_depth": True, "depth_pairing": "halves", "growth_operator": "copy",
+        "optimizer_state": "map", "grown_moments": "zero", "lr_schedule": "continue",
+        "levels": [{"steps_before": 0, "steps_after": 6, "lr_after": WSD}, {"steps_before": 0, "lr_before": WSD},
+                   {"steps_before": 8, "lr_before": {**WSD, "warmup_steps": 2}}]}
+
+
+def test_each_level_of_a_run_takes_its_own_depths_multiplier():
+    """The run's levels (4, 2 and 1 layers at base 1, exponent 0.5) multiply their branches by
+    sqrt(1/4), sqrt(1/2) and 1."""
+    from megatron_multilevel.config import load_config
+    from megatron_multilevel.training.engines import LevelEngines
+
+    cfg = load_config({"train_batch_size": 8, "model": _model(), "data": {"seq_length": 32}, "multilevel": LATE})
+    engines = LevelEngines(cfg, 1)
+    assert [engines.residual_step(level) for level in range(3)] == pytest.approx([0.5, 0.5 ** 0.5, 1.0], abs=1e-12)
+
+
+def _model(**blocks) -> dict:
+    return {"kind": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 512,
+            "max_sequence_length": 32, **MUP, **blocks}
+
+
+@pytest.fixture(scope="module")
+def mup_run(tmp_path_factory, corpus):
+    tmp = tmp_path_factory.mktemp("mup")
+    ok(launch(run_config(tmp, corpus, "run", model=_model(), multilevel=LATE, training=KEEP_ALL)))
+    return {"dir": tmp / "run"}
+
+
+def _groups(run_dir, tag: str) -> list[tuple[int, float]]:
+    """(parameter count, learning rate) of each optimizer group of a one-process checkpoint."""
+    (path,) = (run_dir / "checkpoints" / tag).glob("mp_rank_00_model_states.pt")
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    return [(len(g["params"]), g["lr"]) for g in saved["optimizer"]["param_groups"]]
+
+
+def test_a_depth_mup_growth_trains_each_depth_at_its_layers_rate(mup_run):
+    """The 1-layer model (at its base depth) trains every parameter at one rate; the 4-layer model
+    it grows into trains its layers at half the rest's rate, and the loss goes down."""
+    from launch_helpers import records
+
+    one = _groups(mup_run["dir"], "phase00-step0000006")
+    assert len(one) == 2, one  # decayed weights, biases and norms: no layer group at the base depth
+    four = _groups(mup_run["dir"], "phase02-step0000004")
+    assert len(four) == 4, four
+    (_, rest), (_, rest_nd), (_, layers), (_, layers_nd) = four
+    assert rest > 0 and rest == rest_nd and layers == layers_nd
+    assert layers == pytest.approx(0.5 * rest, rel=1e-6)
+    train = records(mup_run["dir"], "train")
+    assert train[-1]["loss"] < train[0]["loss"]
+
+
+def test_a_depth_mup_model_exports_to_hugging_face_as_its_plain_model(mup_run, tmp_path):
+    """``to-hf`` folds the multiplier into the weights: the export's own logits check (against the
+    Megatron model with its multiplier) passes, and its projections are the checkpoint's halved."""
+    import subprocess
+    import sys
+
+    from megatron_multilevel.checkpoints.convert import load_source
+
+    src = mup_run["dir"] / "checkpoints" / "final"
+    if not src.exists():
+        src = mup_run["dir"] / "checkpoints" / "phase02-step0000006"
+    out = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "to-hf", str(src), str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    hf = load_file(str(out / "model.safetensors"))
+    tensors = load_source(str(src)).tensors
+    (proj,) = (k for k in hf if k.endswith("h.0.attn.c_proj.weight"))
+    assert torch.allclose(hf[proj].t(),
+                          0.5 * tensors["decoder.layers.0.self_attention.linear_proj.weight"].float(), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_depth_mup_growth_at_tp2_is_the_one_process_run(mup_run, corpus, tmp_path):
+    """The multiplier's hooks see each branch's output after its tensor-parallel reduction, and the
+    layers' groups keep their rate under TP 2: the run trains the one-process run's model."""
+    config = run_config(tmp_path, corpus, "run", model=_model(), multilevel=LATE, training=KEEP_ALL,
+                        parallel={"tensor_model_parallel_size": 2})
+    ok(launch(config, "--num_procs", 2))
+    assert_close_to_reference(tmp_path / "run", mup_run, abs=2e-4)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [p["level"] for p in summary["phases"]] == [2, 1, 0]
