@@ -291,3 +291,33 @@ def test_a_bert_config_is_refused_with_what_was_measured_on_bert():
     tool = _plan_tool()
     with pytest.raises(SystemExit, match=r"bert model; the law is fitted to GPT only .*benchmarks/JOURNAL.md, 'BERT'"):
         tool.main(["--config", str(ROOT / "configs" / "bert_base.json")])
+
+
+def test_the_late_expansion_is_reported_where_it_was_measured_and_not_advised_without_a_saving(capsys):
+    """The late expansion's verdict comes from the measured point nearest in depth (then in size and
+    budget); without a saving there it is not advised, and the advice stays the law's; a depth
+    beyond the law's points is said to be an extrapolation."""
+    from megatron_multilevel.study.savings import best_late
+
+    row = {"scratch_final_loss": 1.5, "methods": {
+        "late": {"family": "late", "final_valid_loss": 1.9, "equal_quality": {"median": None}},
+        "late-tau0.5": {"family": "late", "final_valid_loss": 1.6, "equal_quality": {"median": None}},
+        "msg": {"family": "msg", "final_valid_loss": 1.4, "equal_quality": {"median": 0.2}}}}
+    assert best_late(row) == {"method": "late-tau0.5", "above_scratch": pytest.approx(0.1), "saving": None}
+    assert best_late({"scratch_final_loss": 1.5, "methods": {}}) is None
+    law = [point("a", 1e6, 0.1, 0.40), point("b", 1e6, 1.0, 0.30), point("c", 1e6, 10.0, 0.20)]
+    deep16 = dataclasses.replace(point("d16", 2e5, 80.0, None), shape="16x32",
+                                 late={"method": "late-tau0.5", "above_scratch": 0.112, "saving": None})
+    deep8 = dataclasses.replace(point("d8", 1e6, 5.0, None), shape="8x32",
+                                late={"method": "late", "above_scratch": 0.05, "saving": 0.3})
+    result = plan(law + [deep16, deep8], 1e6, 5e6, layers=24)
+    assert result["late"]["point"] == "d16" and result["late"]["saving"] is None
+    assert result["advice"] == "multilevel"
+    assert result["layers_range"] == [4, 4] and result["beyond"]["layers"] == 6.0
+    assert plan(law + [deep16, deep8], 1e6, 5e6, layers=8)["late"]["point"] == "d8"
+    assert plan(law + [deep16, deep8], 1e6, 5e6)["late"]["point"] == "d8"  # no depth: nearest in size and budget
+    said = load_tool("plan_schedule").describe(result)
+    assert "its best run (late-tau0.5) ended 0.112 above the best-tuned scratch's final loss" in said
+    assert "not advised" in said and "depth beyond the law's points: 24 layers, its points 4 to 4 layers" in said
+    with pytest.raises(ValueError, match="layers"):
+        plan(law, 1e6, 5e6, layers=0)

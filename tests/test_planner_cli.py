@@ -50,7 +50,8 @@ def test_the_advice_says_how_far_beyond_its_points_it_reaches():
     tool = _tool()
     far = plan(POINTS, 350e6, 350e6 * 500)
     assert far["parameters_range"] == [1e5, 7e6] and not far["size_term"]
-    assert far["beyond"] == {"parameters": pytest.approx(50.0), "tokens_per_parameter": pytest.approx(5.0)}
+    assert far["beyond"] == {"parameters": pytest.approx(50.0), "tokens_per_parameter": pytest.approx(5.0),
+                             "layers": None}  # no depth given
     assert far["from_point_size"] == {"parameters": 7e6, "tokens_per_parameter": 100.0}
     said = tool.describe(far)
     assert "model: 350M parameters (embedding counted), 175B tokens: 500.0 tokens per parameter" in said
@@ -63,7 +64,7 @@ def test_the_advice_says_how_far_beyond_its_points_it_reaches():
     small = tool.describe(plan(POINTS, 1e4, 1e4 * 0.01))
     assert "1/10 of the smallest (100k parameters)" in small and "1/10 of the fewest (0.1)" in small
     inside = plan(POINTS, 1e6, 1e6 * 5)
-    assert inside["beyond"] == {"parameters": 1.0, "tokens_per_parameter": 1.0}
+    assert inside["beyond"] == {"parameters": 1.0, "tokens_per_parameter": 1.0, "layers": None}
     assert "beyond the study points" not in tool.describe(inside)
 
 

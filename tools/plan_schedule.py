@@ -24,7 +24,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-STUDIES = {"scale": "study.json", "regime": "regime.json", "regime2": "regime2.json", "regime3": "regime3.json"}
+STUDIES = {"scale": "study.json", "regime": "regime.json", "regime2": "regime2.json", "regime3": "regime3.json",
+           "deep": "deep.json", "deep2": "deep2.json", "deep3": "deep3.json"}
 SUFFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}  # thousand, million, billion, trillion
 
 
@@ -60,7 +61,7 @@ def human(count: float) -> str:
 def read_points(benchmarks: str) -> list:
     """Every point of the committed studies, as the planner reads it."""
     from megatron_multilevel.study.planner import StudyPoint
-    from megatron_multilevel.study.savings import best_growth, best_multilevel, control_seeds, with_controls
+    from megatron_multilevel.study.savings import best_growth, best_late, best_multilevel, control_seeds, with_controls
 
     def rows_of(name):
         path = os.path.join(benchmarks, name)
@@ -83,7 +84,7 @@ def read_points(benchmarks: str) -> list:
                 tokens_per_parameter=r["tokens_per_parameter"], method=best,
                 saving=None if best is None else r["methods"][best]["equal_quality"]["median"],
                 schedule=None if best is None else r["methods"][best].get("schedule"),
-                control_seeds=control_seeds(r),
+                control_seeds=control_seeds(r), late=best_late(r),
                 growth=None if growth is None else (growth, r["methods"][growth]["equal_quality"]["median"])))
     if not points:
         raise SystemExit(f"plan_schedule: no study in {benchmarks} ({', '.join(STUDIES.values())}): "
@@ -133,6 +134,7 @@ def config_budget(path: str, data_parallel: int = 1) -> dict:
     phases = build_phases(cfg)
     tokens = round(fine_equivalent_steps(cfg, phases) * batch * seq)  # the run's compute in full-model tokens
     return {"parameters": parameter_count(cfg.model), "tokens": tokens, "steps": round(tokens / (batch * seq)),
+            "layers": cfg.model.num_layers,
             "peak": phases[0].lr.peak, "warmup": phases[0].lr.warmup_steps, "raw": raw}
 
 
@@ -195,6 +197,18 @@ def describe(result: dict) -> str:
     budget = beyond(result, "tokens_per_parameter", "fewest", "most", lambda t: f"{t:.3g}")
     if budget:
         lines.append(f"  tokens per parameter beyond the study points: {budget}: an extrapolation, not a measurement")
+    if result.get("layers") and result["beyond"]["layers"] > 1:
+        lo_layers, hi_layers = result["layers_range"]
+        lines.append(f"  depth beyond the law's points: {result['layers']} layers, its points {lo_layers} to {hi_layers} "
+                     "layers: an extrapolation, not a measurement")
+    late = result.get("late")
+    if late is not None:
+        where = (f"at {late['point']} ({late['layers']} layers, {human(late['parameters'])} parameters, "
+                 f"{late['tokens_per_parameter']:.0f} tokens per parameter)")
+        lines.append(f"late expansion (a one-layer model grown once to full depth, Bu 2026): " + (
+            f"{where} its best run ({late['method']}) ended {late['above_scratch']:.3f} above the best-tuned "
+            "scratch's final loss: no saving at equal quality; not advised" if late["saving"] is None else
+            f"{where} its best run ({late['method']}) saved {100 * late['saving']:.1f}% of the FLOPs at equal quality"))
     advice = result["advice"]
     if advice == "smaller model":
         seeds = result.get("control_seeds")
@@ -233,6 +247,9 @@ def main(argv=None) -> int:
     p.add_argument("--params", type=count_argument,
                    help="parameters of the full model, embedding counted (350M, 1.3B, 1.3e9, ...)")
     p.add_argument("--tokens", type=count_argument, help="training tokens of the run (20B, 2.6e9, ...)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="transformer layers of the full model (with --config: its own), for what was measured at "
+                        "that depth")
     p.add_argument("--config", help="a GPT config: its model and budget (train_steps x batch x sequence; a "
                                     "multilevel config's compute in tokens of the full model)")
     p.add_argument("--write", help="with --config: write the config with the planned multilevel block here (the "
@@ -274,11 +291,11 @@ def main(argv=None) -> int:
     budget = None
     if args.config:
         budget = config_budget(args.config, args.data_parallel)
-        params, tokens = budget["parameters"], budget["tokens"]
+        params, tokens, layers = budget["parameters"], budget["tokens"], budget["layers"]
     else:
-        params, tokens = args.params, args.tokens
+        params, tokens, layers = args.params, args.tokens, args.layers
     try:
-        result = plan(points, params, tokens)
+        result = plan(points, params, tokens, layers)
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(result, indent=1) if args.json else describe(result))

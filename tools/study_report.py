@@ -35,7 +35,11 @@ STUDIES = {"scale": (re.compile(r"^cpu-(\d+)x(\d+)-(\d+)$"), "study"),
            # the regime study's longest point again, for a growth its pin predates (G_stack)
            "regime3": (re.compile(r"^long3-(\d+)x(\d+)-(\d+)$"), "regime3"),
            # the scale study's points again, with the smaller-model control it lacked
-           "controls": (re.compile(r"^ctl-(\d+)x(\d+)-(\d+)$"), "controls")}
+           "controls": (re.compile(r"^ctl-(\d+)x(\d+)-(\d+)$"), "controls"),
+           # a 16-layer GPT at 80 tokens per parameter: the late expansion under WSD, each pin its own
+           "deep": (re.compile(r"^deep-(\d+)x(\d+)-(\d+)$"), "deep"),
+           "deep2": (re.compile(r"^deep2-(\d+)x(\d+)-(\d+)$"), "deep2"),
+           "deep3": (re.compile(r"^deep3-(\d+)x(\d+)-(\d+)$"), "deep3")}
 
 
 def study_commit(benchmarks: str, study: str) -> str:
@@ -212,7 +216,7 @@ def main(argv=None) -> int:
     p.add_argument("--study", choices=sorted(STUDIES), default="scale",
                    help="scale: the cpu-* points (study.*); regime: the long-* points (regime.*); regime2: the "
                         "long2-* points (regime2.*); regime3: the long3-* points (regime3.*); controls: the ctl-* points "
-                        "(controls.*)")
+                        "(controls.*); deep, deep2, deep3: the deep-*, deep2-* and deep3-* points (16 layers, the late expansion)")
     p.add_argument("--out", default=None, help="where the table, the JSON and the plot go (default: --benchmarks)")
     p.add_argument("--point", default=None, help="print one point's rows and where its lead is made (any point "
                    "named <name>-<layers>x<hidden>-<steps>, by its own code version: a BERT point, a peers point)")

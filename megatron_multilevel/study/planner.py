@@ -45,6 +45,12 @@ class StudyPoint:
     # a peer) and its median equal-quality saving: (method, saving); None where none reached scratch
     growth_point: Optional[str] = None  # the point whose runs measured ``growth`` (a later pin's at the
     # same shape and budget); None: this point's own
+    late: Optional[dict] = None  # the late expansion's best run there (savings.best_late); None: not run
+
+    @property
+    def layers(self) -> int:
+        """The full model's depth (its shape is ``<layers>x<hidden>``)."""
+        return int(self.shape.split("x")[0])
 
     @property
     def smaller_model_suffices(self) -> Optional[bool]:
@@ -138,18 +144,39 @@ def _distance(p: StudyPoint, parameters: float, tokens_per_parameter: float) -> 
     return math.hypot(math.log(p.tokens_per_parameter / tokens_per_parameter), math.log(p.parameters / parameters))
 
 
-def plan(points: Sequence[StudyPoint], parameters: float, tokens: float) -> dict:
+def late_verdict(points: Sequence[StudyPoint], parameters: float, tokens_per_parameter: float,
+                 layers: Optional[int] = None) -> Optional[dict]:
+    """What the late expansion did at the measured point nearest the model asked about (in depth
+    first, then in size and budget): its best run's method, final loss above the best-tuned
+    scratch and saving (None: it never reached scratch), with that point's depth, size and budget;
+    None where no point ran it."""
+    measured = [p for p in points if p.late is not None]
+    if not measured:
+        return None
+    at = min(measured, key=lambda p: (abs(math.log(p.layers / (layers or p.layers))),
+                                      _distance(p, parameters, tokens_per_parameter)))
+    return {"point": at.point, **at.late, "layers": at.layers, "parameters": at.parameters,
+            "tokens_per_parameter": at.tokens_per_parameter}
+
+
+def plan(points: Sequence[StudyPoint], parameters: float, tokens: float, layers: Optional[int] = None) -> dict:
     """The advice for a model of ``parameters`` trained on ``tokens``: ``advice`` (``"multilevel"``,
     ``"growth"``, ``"smaller model"``, ``"scratch"``), the expected saving and its interval, the
     schedule of the nearest measured point (what a multilevel run would use), the growth method that
     saved more than it there (``growth``; then the advice, unless the smaller model's), the control
     that decided, and what the advice rests on: the fit's ranges of tokens per parameter and of
     parameters, how many times beyond each the model lies (``beyond``, 1 inside), whether the law
-    has a size term, and the size of the points that decided."""
+    has a size term, and the size of the points that decided. With ``layers`` (the model's depth):
+    the depths of the law's points and how far beyond them it lies. ``late``: what the late
+    expansion did at the nearest point that ran it (:func:`late_verdict`), never the advice unless
+    it saved something there."""
     if parameters <= 0 or tokens <= 0:
         raise ValueError(f"parameters and tokens must be positive, got {parameters} and {tokens}")
+    if layers is not None and layers <= 0:
+        raise ValueError(f"layers must be positive, got {layers}")
     tpp = tokens / parameters
     law = fit(points)
+    depths = sorted({p.layers for p in points if p.saving is not None})
     mean, half = law.predict(parameters, tpp)
     scheduled = [p for p in points if p.schedule is not None and p.saving is not None]
     nearest = min(scheduled, key=lambda p: _distance(p, parameters, tpp))
@@ -161,9 +188,12 @@ def plan(points: Sequence[StudyPoint], parameters: float, tokens: float) -> dict
            "tokens_per_parameter_range": [math.exp(v) for v in law.log_tpp_range],
            "parameters_range": list(law.parameter_range), "size_term": law.with_size,
            "beyond": {"parameters": times_beyond(parameters, *law.parameter_range),
-                      "tokens_per_parameter": times_beyond(tpp, *(math.exp(v) for v in law.log_tpp_range))},
+                      "tokens_per_parameter": times_beyond(tpp, *(math.exp(v) for v in law.log_tpp_range)),
+                      "layers": None if layers is None else times_beyond(layers, depths[0], depths[-1])},
            "schedule": nearest.schedule, "from_point": nearest.point,
            "from_point_size": {"parameters": nearest.parameters, "tokens_per_parameter": nearest.tokens_per_parameter},
+           "layers": layers, "layers_range": [depths[0], depths[-1]],
+           "late": late_verdict(points, parameters, tpp, layers),
            "control": suffices[0].point if suffices else None,
            "control_seeds": suffices[0].control_seeds if suffices else None,
            "control_size": None if not suffices else {"parameters": suffices[0].parameters,

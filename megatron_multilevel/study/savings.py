@@ -192,6 +192,19 @@ def best_growth(row: dict) -> Optional[str]:
     return _best_of(row, GROWTH_FAMILIES)
 
 
+def best_late(row: dict) -> Optional[dict]:
+    """The late expansion's best run at a study row's point (the lowest final loss of its family,
+    any tau or initialisation): ``method``, its final loss ``above_scratch`` (the best-tuned
+    scratch's) and its median equal-quality ``saving`` (None: it never reached scratch's loss); None
+    where the late expansion was not run there."""
+    runs = [(m["final_valid_loss"], name) for name, m in row["methods"].items() if m["family"] == "late"]
+    if not runs:
+        return None
+    loss, name = min(runs)
+    return {"method": name, "above_scratch": loss - row["scratch_final_loss"],
+            "saving": row["methods"][name]["equal_quality"]["median"]}
+
+
 def _best_of(row: dict, families: tuple) -> Optional[str]:
     measured = [(m["equal_quality"]["median"], name) for name, m in row["methods"].items()
                 if m["family"] in families and m["equal_quality"]["median"] is not None]
