@@ -165,12 +165,23 @@ def test_a_depth_mup_model_exports_to_hugging_face_as_its_plain_model(mup_run, t
                           0.5 * tensors["decoder.layers.0.self_attention.linear_proj.weight"].float(), atol=1e-6)
 
 
+def _zero3_after_growth() -> dict:
+    """The 1-layer model at DP=2 under ZeRO-2, the models it grows into under ZeRO-3 (their layers'
+    group at its own rate in DeepSpeed's partitioned optimizer)."""
+    levels = json.loads(json.dumps(LATE["levels"]))
+    for i, stage in ((0, 3), (1, 3), (2, 2)):
+        levels[i].update(tensor_model_parallel_size=1, deepspeed={"zero_optimization": {"stage": stage}})
+    return {"multilevel": {**LATE, "levels": levels}}
+
+
 @pytest.mark.slow
-def test_a_depth_mup_growth_at_tp2_is_the_one_process_run(mup_run, corpus, tmp_path):
+@pytest.mark.parametrize("layout", [{"multilevel": LATE, "parallel": {"tensor_model_parallel_size": 2}},
+                                    _zero3_after_growth()], ids=["tp2", "dp2-zero3"])
+def test_a_depth_mup_growth_in_two_layouts_is_the_one_process_run(mup_run, corpus, tmp_path, layout):
     """The multiplier's hooks see each branch's output after its tensor-parallel reduction, and the
-    layers' groups keep their rate under TP 2: the run trains the one-process run's model."""
-    config = run_config(tmp_path, corpus, "run", model=_model(), multilevel=LATE, training=KEEP_ALL,
-                        parallel={"tensor_model_parallel_size": 2})
+    layers' groups keep their rate under TP 2 and under ZeRO-3: the run trains the one-process
+    run's model."""
+    config = run_config(tmp_path, corpus, "run", model=_model(), training=KEEP_ALL, **layout)
     ok(launch(config, "--num_procs", 2))
     assert_close_to_reference(tmp_path / "run", mup_run, abs=2e-4)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
