@@ -139,3 +139,41 @@ def test_chaos_two_ranks_killed_and_a_truncated_file_end_on_the_uninterrupted_lo
         json.loads((reference["dir"] / "summary.json").read_text())["totals"]["final_valid_loss"], abs=2e-4
     ), kills
     assert_close_to_reference(tmp_path / "run", reference, abs=2e-4)
+
+
+class Payload:
+    """Unpickling this calls ``exec``, which writes a file: what a planted checkpoint file would do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_a_checkpoint_file_that_names_code_is_refused_on_resume_and_nothing_runs(corpus, tmp_path):
+    """A pickle planted in the newest checkpoint's RNG file and in its DeepSpeed model file, their
+    sizes and CRCs updated in the sidecar (as anyone who can write the files can): the resume refuses it in one line naming what the file
+    asks for, and the payload never runs; the same file loaded without the allowlist runs it."""
+    import torch
+
+    config = run_config(tmp_path, corpus, "run")
+    assert launch(config, env={"MEGATRON_MULTILEVEL_CRASH_AT": "step12"}).returncode != 0
+    newest = tmp_path / "run" / "checkpoints" / "phase02-step0000001"
+    marker = tmp_path / "code_ran"
+    sidecar = json.loads((newest / "multilevel.json").read_text())
+    for name in ("rng_rank0.pt", "mp_rank_00_model_states.pt"):  # ours, and one DeepSpeed unpickles
+        path = newest / name
+        state = torch.load(path, weights_only=False)
+        torch.save({**state, "extra": Payload(marker)}, path)
+        data = path.read_bytes()
+        sidecar["files"][name] = [len(data), zlib.crc32(data)]
+    (newest / "multilevel.json").write_text(json.dumps(sidecar))
+    rng = newest / "rng_rank0.pt"
+    refused = launch(config)
+    assert refused.returncode != 0 and not marker.exists()
+    said = refused.stdout + refused.stderr
+    assert f"checkpoint {newest} is refused" in said and "builtins.exec" in said, said[-3000:]
+    assert "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    torch.load(rng, weights_only=False)  # the payload is live
+    assert marker.read_text() == "ran"

@@ -52,7 +52,7 @@ class Payload:
 
 def _tamper(src, dst, file_glob, extra):
     """A copy of the checkpoint tag ``src`` whose file ``file_glob`` also holds ``extra``."""
-    from megatron_multilevel.checkpoints.safe_load import load_checkpoint_file
+    from megatron_multilevel.training.safe_load import load_checkpoint_file
 
     shutil.copytree(src, dst)
     (path,) = dst.glob(file_glob)
@@ -63,7 +63,7 @@ def _tamper(src, dst, file_glob, extra):
 
 
 def test_the_allowlist_is_what_real_checkpoints_hold(run):
-    from megatron_multilevel.checkpoints.safe_load import allowed_classes, load_checkpoint_file
+    from megatron_multilevel.training.safe_load import allowed_classes, load_checkpoint_file
 
     allowed = {f"{c.__module__}.{c.__qualname__}" for c in allowed_classes()}
     found = set()
@@ -98,7 +98,7 @@ def test_a_malicious_checkpoint_is_refused_by_both_tools_and_nothing_runs(run, t
 def test_a_class_outside_the_allowlist_is_named(run, tmp_path):
     from megatron.core.safe_globals import register_safe_globals
 
-    from megatron_multilevel.checkpoints.safe_load import load_checkpoint_file
+    from megatron_multilevel.training.safe_load import load_checkpoint_file
 
     path = _tamper(run / ZERO0, tmp_path / "args", "mp_rank_00_model_states.pt", argparse.Namespace(lr=1.0))
     # Megatron-Core allows argparse.Namespace process-wide; the tools' allowlist is theirs alone

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_multilevel.checkpoints.safe_load import load_checkpoint_file
+from megatron_multilevel.training.safe_load import load_checkpoint_file
 from megatron_multilevel.config import ModelConfig, RunConfig, load_config
 from megatron_multilevel.level_maps import LevelMap
 from megatron_multilevel.parallel.tp_layout import unshard

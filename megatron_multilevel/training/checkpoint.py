@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_multilevel.training import manifest
+from megatron_multilevel.training.safe_load import load_checkpoint_file
 
 SIDECAR = "multilevel.json"
 POINTER = "latest"
@@ -271,15 +272,34 @@ def state_of(sidecar: dict) -> RunState:
     return state
 
 
-def load(engine, run_dir: str, tag: str, *, module_only: bool = False, restore_rng: bool = True) -> None:
-    """Load checkpoint ``tag`` into ``engine`` (collective).
+def check_no_code(directory: str) -> None:
+    """Refuse a checkpoint any of whose pickled files (``*.pt``) names code (collective): each rank
+    reads a share of them with ``weights_only=True`` and the allowlist of ``safe_load`` (memory-
+    mapped: the pickles' structure is read, not the tensors), and every rank raises
+    ``CheckpointError`` naming the first refusal. DeepSpeed's ``load_checkpoint`` unpickles with
+    ``weights_only=False``, so nothing reaches it that this check has not passed: a run directory
+    written by someone else (shared, copied, tampered with) cannot run code on resume."""
+    names = sorted(n for n in os.listdir(directory) if n.endswith(".pt"))
+    refusal = None
+    for name in names[dist.get_rank()::dist.get_world_size()]:
+        try:
+            load_checkpoint_file(os.path.join(directory, name), mmap=True)
+        except ValueError as e:
+            refusal = str(e)
+            break
+    refusals = [None] * dist.get_world_size()
+    dist.all_gather_object(refusals, refusal)
+    refused = [r for r in refusals if r is not None]
+    if refused:
+        raise CheckpointError(f"checkpoint {directory} is refused: {refused[0]}")
 
-    Trusted files only: DeepSpeed's ``load_checkpoint`` and the RNG states below unpickle with
-    ``weights_only=False``, which can run code a file names. A run resumes from the checkpoints it
-    wrote itself, or that ``tools/convert_checkpoint.py reshard`` / ``init-run`` wrote after reading
-    their source with the allowlist of ``checkpoints.safe_load``; a checkpoint from elsewhere goes
-    through those tools, never straight to a run."""
+
+def load(engine, run_dir: str, tag: str, *, module_only: bool = False, restore_rng: bool = True) -> None:
+    """Load checkpoint ``tag`` into ``engine`` (collective), after :func:`check_no_code` passed its
+    files: DeepSpeed's loading unpickles without restriction, the RNG states are read with the
+    allowlist."""
     ckpt = checkpoint_dir(run_dir)
+    check_no_code(os.path.join(ckpt, tag))
     path, _ = engine.load_checkpoint(
         ckpt, tag=tag, load_module_only=module_only, load_optimizer_states=not module_only,
         load_lr_scheduler_states=not module_only,
@@ -288,7 +308,7 @@ def load(engine, run_dir: str, tag: str, *, module_only: bool = False, restore_r
         raise ValueError(f"checkpoint {os.path.join(ckpt, tag)} could not be loaded (missing shards?)")
     rng = os.path.join(ckpt, tag, f"rng_rank{dist.get_rank()}.pt")
     if restore_rng and os.path.exists(rng):
-        _set_rng_state(torch.load(rng, weights_only=False))  # the run's own file (numpy RNG state inside)
+        _set_rng_state(load_checkpoint_file(rng))
 
 
 def rotate(run_dir: str, state: RunState, keep: int) -> None:

@@ -6,7 +6,7 @@ cache); a resume checks them before it loads, and falls back to the previous com
 when one is missing, truncated or altered (``checkpoint.read_resumable``);
 ``tools/inspect_checkpoint.py --verify`` checks them on request. CRC-32 (zlib) finds what storage
 does to files (truncation, partial copies, flipped bits); it is no defence against tampering,
-which is what ``checkpoints.safe_load``'s allowlist is for. Plain files only, no torch.distributed.
+which is what ``training.safe_load``'s allowlist is for. Plain files only, no torch.distributed.
 """
 
 import os
