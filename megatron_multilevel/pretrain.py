@@ -122,10 +122,13 @@ def main(argv=None) -> int:
     from megatron_multilevel.distributed import init_distributed, shutdown_distributed
     from megatron_multilevel.study.baseline import report_baseline
     from megatron_multilevel.training.checkpoint import CheckpointError
+    from megatron_multilevel.training.run_lock import hold_run_directory
     from megatron_multilevel.training.trainer import Trainer, TrainingError
 
+    lock = None
     try:
         init_distributed(cfg.level_tp_sizes()[0], seed=cfg.training.seed)
+        lock = hold_run_directory(cfg.training.output_dir, print)
         Trainer(cfg).run()
         if baseline is not None:
             run_reference(baseline, "baseline", f"the fine model ({_shape(baseline)}) from scratch")
@@ -138,6 +141,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         shutdown_distributed()
         return 1
+    finally:
+        if lock is not None:
+            lock.release()
     shutdown_distributed()
     return 0
 
