@@ -57,7 +57,12 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 def scale_residuals(layer: Mapping[str, torch.Tensor], selection: LayerSelection, factor: float) -> StateDict:
     """A copy of one layer (names local to the layer) with its residual-branch outputs times ``factor``."""
-    rules = parameter_plan(selection.fine).layer
+    return _layer_residuals_times(layer, selection.fine, factor)
+
+
+def _layer_residuals_times(layer: Mapping[str, torch.Tensor], cfg: ModelConfig, factor: float) -> StateDict:
+    """A copy of one layer of ``cfg``'s architecture with its residual-branch outputs times ``factor``."""
+    rules = parameter_plan(cfg).layer
     out = {}
     for name, t in layer.items():
         if is_metadata(name):
@@ -98,26 +103,25 @@ def fold_step(coarse: Mapping[str, torch.Tensor], selection: LayerSelection) -> 
     """The parameters of a coarse model of ``selection`` with its forward step folded into its
     residual-branch outputs: the plain coarse model of the same function (for an explicit one, the
     folded one's parameters; for a folded one, a copy)."""
-    model, layers = split_layers(coarse, selection.fine, selection.coarse.num_layers, "coarse")
-    out = {name: t.clone() for name, t in model.items()}
-    for i, layer in enumerate(layers):
-        folded = scale_residuals(layer, selection, float(selection.forward_step))
-        out.update({layer_prefix(selection.coarse, i) + name: t for name, t in folded.items()})
-    return out
+    return _every_layer_times(coarse, selection.fine, selection.coarse.num_layers, float(selection.forward_step),
+                              "coarse")
 
 
 def fold_branch_multiplier(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
     """The parameters of the plain model (no branch multiplier) that computes what a depth-muP model
     of ``cfg`` computes: its branch multiplier folded into every residual branch's output weights
     and biases (a copy for a model without depth-muP)."""
-    factor = float(cfg.branch_multiplier)
-    rules = parameter_plan(cfg).layer
-    model, layers = split_layers(state_dict, cfg, cfg.num_layers, "model")
+    return _every_layer_times(state_dict, cfg, cfg.num_layers, float(cfg.branch_multiplier), "model")
+
+
+def _every_layer_times(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, num_layers: int, factor: float,
+                       role: str) -> StateDict:
+    """A copy of a full state dict of ``num_layers`` layers of ``cfg``'s architecture with every
+    layer's residual-branch outputs times ``factor``."""
+    model, layers = split_layers(state_dict, cfg, num_layers, role)
     out = {name: t.clone() for name, t in model.items()}
     for i, layer in enumerate(layers):
-        for name, t in layer.items():
-            scaled = rules[name].residual and factor != 1.0
-            out[layer_prefix(cfg, i) + name] = (t.to(_compute_dtype(t)) * factor).to(t.dtype) if scaled else t.clone()
+        out.update({layer_prefix(cfg, i) + name: t for name, t in _layer_residuals_times(layer, cfg, factor).items()})
     return out
 
 
