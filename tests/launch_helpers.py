@@ -5,6 +5,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from megatron_multilevel.records import read_metrics
@@ -175,3 +176,51 @@ def assert_close_to_reference(run: Path, reference: dict, **tol) -> None:
     assert [r[:2] for r in ours] == [r[:2] for r in ref]
     for a, b in zip(ours, ref):
         assert a[2] == pytest.approx(b[2], **tol), (a, b)
+
+
+class PausedRun:
+    """``launch/pretrain_vcycle.sh`` over ``procs`` ranks, each held at the crash points named ``pauses``
+    (``training/checkpoint.py``: ``crash_point``) until the test releases it."""
+
+    def __init__(self, config, tmp_path, *pauses, procs: int = 2):
+        self.gate = tmp_path / "gate"
+        env = {**os.environ, "PYTHON": sys.executable, "MEGATRON_MULTILEVEL_PAUSE_AT": ",".join(pauses),
+               "MEGATRON_MULTILEVEL_PAUSE_FILE": str(self.gate)}
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+        # its own session, as a job step or a terminal's foreground job is: a group to signal
+        self.process = subprocess.Popen(["bash", str(LAUNCHER), str(config), "--num_procs", str(procs)], cwd=ROOT,
+                                        env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        start_new_session=True)
+        self.tree = []
+        self.procs = procs
+
+    def wait_paused(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        gates = [self.gate.with_name(f"gate.{rank}") for rank in range(self.procs)]
+        while not all(g.exists() for g in gates):
+            assert self.process.poll() is None, self.process.communicate()
+            assert time.monotonic() < deadline, "the ranks never reached the pause"
+            time.sleep(0.05)
+        import psutil
+
+        self.tree = psutil.Process(self.process.pid).children(recursive=True)
+        assert len([p for p in self.tree if "--local_rank" in " ".join(p.cmdline())]) == self.procs
+
+    def release(self) -> None:
+        for rank in range(self.procs):
+            self.gate.with_name(f"gate.{rank}").unlink()
+
+    def finish(self, timeout: float = 300) -> subprocess.CompletedProcess:
+        stdout, stderr = self.process.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(self.process.args, self.process.returncode, stdout, stderr)
+
+    def ranks(self) -> list:
+        return [p for p in self.tree if "--local_rank" in " ".join(p.cmdline())]
+
+    def survivors(self) -> list:
+        """The launcher's processes (DeepSpeed's launch, the ranks) still alive after it ended."""
+        import psutil
+
+        time.sleep(0.5)
+        return [p for p in self.tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

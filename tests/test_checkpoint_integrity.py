@@ -9,7 +9,8 @@ import zlib
 
 import pytest
 
-from launch_helpers import KEEP_ALL, ROOT, SAME_RUN, assert_close_to_reference, launch, ok, records, run_config
+from launch_helpers import (KEEP_ALL, ROOT, SAME_RUN, PausedRun, assert_close_to_reference, launch, ok, records,
+                            run_config)
 
 from megatron_multilevel.training import manifest
 
@@ -69,6 +70,39 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_one_before(reference, c
     assert_close_to_reference(tmp_path / "run", reference, **SAME_RUN)
 
 
+def sidecar_checksum(sidecar: dict) -> int:
+    """The sidecar's checksum as documented: CRC-32 of its other fields as canonical JSON."""
+    return zlib.crc32(json.dumps({k: v for k, v in sidecar.items() if k != "checksum"}, sort_keys=True).encode())
+
+
+@pytest.mark.parametrize("damage", ["edited-sidecar", pytest.param("no-file-list", marks=pytest.mark.slow)])
+def test_a_damaged_sidecar_or_a_file_no_list_covers_falls_back(reference, corpus, tmp_path, damage):
+    """The newest checkpoint's sidecar edited (its global step, which would shift the data the rest
+    of the run reads), or written without a file list (as older sidecars were) over a truncated
+    model file: the resume says the checkpoint is damaged in one line, starts from the one before
+    and ends on the uninterrupted run's losses."""
+    config = run_config(tmp_path, corpus, "run")
+    assert launch(config, env={"MEGATRON_MULTILEVEL_CRASH_AT": "step12"}).returncode != 0
+    newest = tmp_path / "run" / "checkpoints" / "phase02-step0000001"
+    sidecar = json.loads((newest / "multilevel.json").read_text())
+    assert sidecar["checksum"] == sidecar_checksum(sidecar)
+    if damage == "edited-sidecar":
+        sidecar["state"]["global_step"] += 1
+        expected = f"{newest / 'multilevel.json'} does not match the checksum written with it"
+    else:
+        del sidecar["files"], sidecar["checksum"]
+        (model_file,) = newest.glob("mp_rank_00_model_states.pt")
+        model_file.write_bytes(model_file.read_bytes()[:1000])
+        expected = f"{model_file} cannot be read ("
+    (newest / "multilevel.json").write_text(json.dumps(sidecar))
+    resumed = ok(launch(config))
+    (notice,) = [line for line in resumed.stdout.splitlines() if "is damaged" in line]
+    assert notice.startswith(f"checkpoint phase02-step0000001 is damaged ({expected}"), notice
+    assert notice.endswith("resuming from the one before, phase01-step0000005"), notice
+    assert "Traceback" not in resumed.stderr
+    assert_close_to_reference(tmp_path / "run", reference, **SAME_RUN)
+
+
 def test_no_intact_checkpoint_left_is_one_line(corpus, tmp_path):
     """Every complete checkpoint damaged: one line per checkpoint tried, then a clear error, no traceback."""
     config = run_config(tmp_path, corpus, "run", training={"save_interval": 0})
@@ -100,6 +134,54 @@ def test_a_save_that_fails_keeps_the_last_checkpoint(reference, corpus, tmp_path
     assert (ckpt / "latest").read_text().strip() == "phase00-step0000003"
     ok(launch(config))
     assert_close_to_reference(tmp_path / "run", reference, **SAME_RUN)
+
+
+def test_a_file_size_limit_reached_mid_save_removes_the_partial_checkpoint(reference, corpus, tmp_path):
+    """A real write failure inside torch's writer: from global step 7 on, the rank may write no
+    file above 64 KiB (the kernel's file-size limit, as a full disk or a quota fails a write part
+    way). The save at the end of phase 2 (global step 8) fails inside DeepSpeed: one line naming the cause, no
+    traceback, nothing of it left on disk, ``latest`` on the checkpoint before; run again without
+    the limit, the run resumes there and ends on the uninterrupted run's losses."""
+    import psutil
+
+    config = run_config(tmp_path, corpus, "run", training=KEEP_ALL)
+    run = PausedRun(config, tmp_path, "step7", procs=1)
+    run.wait_paused()
+    (rank,) = run.ranks()
+    rank.rlimit(psutil.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+    run.release()
+    failed = run.finish()
+    assert failed.returncode == 1, failed.stdout[-3000:] + failed.stderr[-3000:]
+    ckpt = tmp_path / "run" / "checkpoints"
+    (line,) = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: checkpoint {ckpt / 'phase01-step0000005'} could not be written (a write "
+                           f"stopped part way: a full disk, a quota or a file-size limit; "), line
+    assert line.endswith("the last complete checkpoint, phase01-step0000003, is kept: free space and run the same "
+                         "command to resume"), line
+    assert "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    assert not (ckpt / "phase01-step0000005").exists()
+    assert (ckpt / "latest").read_text().strip() == "phase01-step0000003"
+    ok(launch(config))
+    assert_close_to_reference(tmp_path / "run", reference, **SAME_RUN)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_directory_that_cannot_be_made_is_one_line(corpus, tmp_path):
+    """The save's directory cannot be created (a file stands where it goes: as a directory made
+    unwritable does to DeepSpeed, which swallows the error and lets torch's writer fail): one
+    line naming the checkpoint and the cause, no traceback, ``latest`` kept."""
+    config = run_config(tmp_path, corpus, "run", training=KEEP_ALL)
+    run = PausedRun(config, tmp_path, "step7", procs=1)
+    run.wait_paused()
+    blocker = tmp_path / "run" / "checkpoints" / "phase01-step0000005"
+    blocker.write_text("not a directory")
+    run.release()
+    failed = run.finish()
+    assert failed.returncode == 1, failed.stdout[-3000:] + failed.stderr[-3000:]
+    (line,) = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: checkpoint {blocker} could not be written ("), line
+    assert "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "phase01-step0000003"
 
 
 # where a kill can land in the reference V-cycle (3 fine, 5 coarse, 5 fine steps; saves every 3
@@ -168,6 +250,7 @@ def test_a_checkpoint_file_that_names_code_is_refused_on_resume_and_nothing_runs
         torch.save({**state, "extra": Payload(marker)}, path)
         data = path.read_bytes()
         sidecar["files"][name] = [len(data), zlib.crc32(data)]
+    sidecar["checksum"] = sidecar_checksum(sidecar)  # a checksum, not a signature: anyone can recompute it
     (newest / "multilevel.json").write_text(json.dumps(sidecar))
     rng = newest / "rng_rank0.pt"
     refused = launch(config)

@@ -17,6 +17,8 @@ import json
 import os
 import re
 import shutil
+import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
@@ -58,9 +60,16 @@ class RunState:
 
 def crash_point(where: str) -> None:
     """Fault injection for the crash-safety tests: ``MEGATRON_MULTILEVEL_CRASH_AT=<where>`` ends
-    the process right there with no cleanup at all, as a SIGKILL would."""
+    the process right there with no cleanup at all, as a SIGKILL would. For the signal tests,
+    ``MEGATRON_MULTILEVEL_PAUSE_AT=<where>[,<where>...]`` with ``MEGATRON_MULTILEVEL_PAUSE_FILE=<path>``
+    holds each rank there (handling signals) from creating ``<path>.<rank>`` until it is removed."""
     if os.environ.get("MEGATRON_MULTILEVEL_CRASH_AT") == where:
         os._exit(137)
+    if where in os.environ.get("MEGATRON_MULTILEVEL_PAUSE_AT", "").split(","):
+        gate = f"{os.environ['MEGATRON_MULTILEVEL_PAUSE_FILE']}.{dist.get_rank()}"
+        open(gate, "w").close()
+        while os.path.exists(gate):
+            time.sleep(0.05)
 
 
 class CheckpointError(RuntimeError):
@@ -142,6 +151,7 @@ def save(engine, run_dir: str, state: RunState, *, meta: dict,
     def mark_complete():
         sidecar = {"format": FORMAT_VERSION, "tag": tag, "world_size": dist.get_world_size(), **meta,
                    "state": asdict(state), "files": files}
+        sidecar["checksum"] = _sidecar_checksum(sidecar)
         _atomic_write(os.path.join(directory, SIDECAR), json.dumps(sidecar, indent=1))
         _atomic_write(os.path.join(ckpt, POINTER), tag)
 
@@ -150,11 +160,19 @@ def save(engine, run_dir: str, state: RunState, *, meta: dict,
 
 
 def _attempt(write: Callable[[], None]) -> Optional[str]:
-    """Run ``write``; what made it fail, if the file system did."""
+    """Run ``write``; what made it fail, if the file system did. torch's writer (and DeepSpeed's,
+    which uses it) reports a failed write as a ``RuntimeError`` (a full disk, a quota or a file-size
+    limit mid-file: "file write failed", "unexpected pos"; a directory it could not create: "Parent
+    directory ... does not exist"): those count as the file system's too."""
     try:
         write()
     except OSError as e:
         return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+    except RuntimeError as e:
+        said = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", (str(e).strip() or type(e).__name__).splitlines()[0])
+        if "unexpected pos" in said or "file write failed" in said:
+            return f"a write stopped part way: a full disk, a quota or a file-size limit; torch: {said}"
+        return said
     return None
 
 
@@ -198,6 +216,13 @@ def latest_tag(run_dir: str) -> Optional[str]:
         return f.read().strip()
 
 
+def _sidecar_checksum(sidecar: dict) -> int:
+    """CRC-32 of the sidecar's own fields (but this one), in a canonical JSON form: its position,
+    counters and file list are checked as the files are."""
+    fields = {k: v for k, v in sidecar.items() if k != "checksum"}
+    return zlib.crc32(json.dumps(fields, sort_keys=True).encode())
+
+
 def _read_sidecar(ckpt: str, tag: str) -> dict:
     path = os.path.join(ckpt, tag, SIDECAR)
     try:
@@ -205,15 +230,33 @@ def _read_sidecar(ckpt: str, tag: str) -> dict:
             sidecar = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"checkpoint {path} is unreadable ({e})") from None
-    if sidecar.get("format") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {path} has an unsupported format {sidecar.get('format')!r}")
+    if not isinstance(sidecar, dict) or sidecar.get("format") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {path} has an unsupported format "
+                         f"{sidecar.get('format') if isinstance(sidecar, dict) else sidecar!r}")
+    # sidecars written before they carried a checksum are read as they are (their files are checked)
+    if "checksum" in sidecar and sidecar["checksum"] != _sidecar_checksum(sidecar):
+        raise ValueError(f"{path} does not match the checksum written with it")
     return sidecar
+
+
+def _unloadable(directory: str, names: list[str]) -> Optional[str]:
+    """What stops one of the checkpoint files ``names`` from being read (with the allowlist,
+    memory-mapped), for a checkpoint whose sidecar lists no files to check; None if all read."""
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            load_checkpoint_file(path, mmap=True)
+        except Exception as e:  # noqa: BLE001 (whatever a damaged file raises: the checkpoint is damaged)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            return f"{path} cannot be read ({first})"
+    return None
 
 
 def _damage(ckpt: str, tag: str) -> tuple[Optional[str], Optional[dict]]:
     """What is wrong with checkpoint ``tag`` and the checkpoints it needs (its open levels'), each
-    rank checking a share of the files (collective): None when they are intact (or written before
-    checkpoints recorded their files); and the sidecar of ``tag`` where it could be read."""
+    rank checking a share of the files (collective): None when they are intact (their sizes and
+    checksums as recorded; where a sidecar records none, every pickled file loads); and the
+    sidecar of ``tag`` where it could be read."""
     sidecar = None
     try:
         sidecar = _read_sidecar(ckpt, tag)
@@ -227,6 +270,9 @@ def _damage(ckpt: str, tag: str) -> tuple[Optional[str], Optional[dict]]:
             files = side.get("files")
             if files is not None:
                 found = manifest.problem(os.path.join(ckpt, t), files, sorted(files)[rank::world])
+            else:  # no file list (an older sidecar): every pickled file must at least load
+                pickles = sorted(n for n in os.listdir(os.path.join(ckpt, t)) if n.endswith(".pt"))
+                found = _unloadable(os.path.join(ckpt, t), pickles[rank::world])
             if found:
                 break
     problems = [None] * dist.get_world_size()
