@@ -9,7 +9,14 @@
 #
 # --with-baseline also trains the fine model from scratch with the run's training FLOPs (in <run>/baseline,
 # reused when finished) and reports the saving at equal quality; on by default for the embedded default
-# config only; --no-baseline turns it off.
+# config only; --no-baseline turns it off (--no-control keeps the baseline, skips the control run).
+# --allow-config-change resumes a run although its config changes what its checkpoint's said (rates,
+# seed, data...), recorded in <run>/config_changes.jsonl; without it such a resume is refused.
+#
+# SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C) to any process of the run: every rank finishes
+# its step, the run saves a checkpoint and exits with status 75; the same command resumes it. A
+# second signal exits at once (the last complete checkpoint kept); training.stop_grace_seconds bounds
+# the clean stop. A run holds <output_dir>/run.lock: a second run on the same directory is refused.
 #
 # Launcher options go to the DeepSpeed launcher as DeepSpeed users expect:
 #   --num_gpus N (alias --num_procs N: processes per node; on CPU one process by default)
@@ -49,8 +56,8 @@ while [[ $# -gt 0 ]]; do
       launcher+=("$1"); shift ;;
     --launcher-log-level) launcher_log_level="$2"; shift 2 ;;
     --launcher-log-level=*) launcher_log_level="${1#*=}"; shift ;;
-    --with-baseline|--no-baseline) module_args+=("$1"); shift ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    --with-baseline|--no-baseline|--no-control|--allow-config-change) module_args+=("$1"); shift ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     -*) echo "pretrain_vcycle.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *.json)
       if [[ -n "$config" ]]; then echo "pretrain_vcycle.sh: two configs given: $config and $1" >&2; exit 2; fi
@@ -114,14 +121,8 @@ fi
 # DeepSpeed compiles small ops at run time; keep them in one place so that every run pays once.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$root/.cache/torch_extensions}"
 
-runner=(-m deepspeed.launcher.runner)
-if [[ $multi_node -eq 0 ]]; then
-  # One node and no hostfile is what is meant: the runner's warning that it found none is dropped.
-  runner=(-c 'import logging, sys
-from deepspeed.launcher.runner import main
-logging.getLogger("DeepSpeed").addFilter(lambda r: not r.getMessage().startswith("Unable to find hostfile"))
-sys.argv[0] = "deepspeed"
-main()')
-fi
-exec "$python_bin" "${runner[@]}" "${launcher[@]}" --module megatron_multilevel.pretrain \
+# DeepSpeed's runner and node launch, with signals forwarded to every rank (a stopped run saves and
+# exits with 75: run the same command to resume), no process outliving the launcher, and overrides
+# quoted for pdsh's remote shell: megatron_multilevel/launching/.
+exec "$python_bin" -m megatron_multilevel.launching.runner "${launcher[@]}" --module megatron_multilevel.pretrain \
   --config "$config" "${module_args[@]}" "${overrides[@]}"

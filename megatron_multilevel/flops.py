@@ -51,3 +51,23 @@ def parameter_count(cfg: ModelConfig) -> int:
         if cfg.add_binary_head:
             total += h * h + h + 2 * h + 2  # pooler and the binary head
     return total
+
+
+TRAINING_BYTES_PER_PARAMETER = 16
+"""Weights, gradients and Adam's two moments, in fp32 (or bf16 weights and gradients beside fp32
+master weights and moments: 2 + 2 + 4 + 4 + 4): the least a parameter under training takes."""
+
+
+def check_fits(cfg: ModelConfig, world_size: int, bytes_per_rank: int, where: str) -> None:
+    """Raise ``ValueError`` with the estimate where the model ``cfg`` cannot train on ``world_size``
+    ranks of ``bytes_per_rank`` each even fully partitioned (ZeRO-3 and tensor parallelism at their
+    most, activations not counted): a size that would otherwise end in an allocation traceback, or
+    in the machine swapping, after start-up. ``where`` names the memory (a GPU's, the CPU's share)."""
+    params = parameter_count(cfg)
+    need = TRAINING_BYTES_PER_PARAMETER * params / world_size
+    if need > bytes_per_rank:
+        raise ValueError(
+            f"model ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary {cfg.vocab_size}) has {params:.3g} "
+            f"parameters: training takes at least {TRAINING_BYTES_PER_PARAMETER} bytes each (weights, gradients, "
+            f"Adam's moments), {need:.3g} bytes per rank even spread over all {world_size} rank(s), and a rank has "
+            f"{bytes_per_rank:.3g} ({where}); make the model smaller or use more ranks")

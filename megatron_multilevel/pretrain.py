@@ -71,6 +71,9 @@ def parse_args(argv=None):
     parser.add_argument("--no-control", dest="control", action="store_false",
                         help="with the baseline, skip its control (the first coarse level's model alone on the same "
                              "FLOPs, which says whether the full model is yet the right model at this budget)")
+    parser.add_argument("--allow-config-change", dest="allow_config_change", action="store_true",
+                        help="resume although the config changes what the checkpoint's config said (rates, schedule, "
+                             "seed, data...); the changes are recorded in <run>/config_changes.jsonl")
     parser.add_argument("--check", action="store_true",
                         help="only read and check the config and its overrides, as the ranks do, and exit (0: valid; "
                              "2: one line, error: ...); launch/pretrain_vcycle.sh runs it before the DeepSpeed "
@@ -89,6 +92,16 @@ def wants_baseline(args, cfg) -> bool:
 
 def _shape(cfg) -> str:
     return f"{cfg.model.num_layers} x {cfg.model.hidden_size}"
+
+
+def _memory_per_rank() -> tuple[int, str]:
+    """The memory one rank trains in, and what it is: its GPU's, or its share of the CPU's."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, "its GPU's memory"
+    import psutil
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1)))
+    return psutil.virtual_memory().total // local, f"the CPU's memory shared by {local} rank(s)"
 
 
 def main(argv=None) -> int:
@@ -120,28 +133,40 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore", category=UserWarning)
     from megatron_multilevel.distributed import init_distributed, shutdown_distributed
+    from megatron_multilevel.flops import check_fits
     from megatron_multilevel.study.baseline import report_baseline
     from megatron_multilevel.training.checkpoint import CheckpointError
     from megatron_multilevel.training.run_lock import hold_run_directory
+    from megatron_multilevel.training.stop import STOPPED_STATUS, Stopped, StopRequest, die_with_parent
     from megatron_multilevel.training.trainer import Trainer, TrainingError
 
+    if "LOCAL_RANK" in os.environ:  # started by a launcher: no rank outlives it
+        die_with_parent()
+    stop = StopRequest(cfg.training.stop_grace_seconds).install()
     lock = None
     try:
         init_distributed(cfg.level_tp_sizes()[0], seed=cfg.training.seed)
+        check_fits(cfg.model, torch.distributed.get_world_size(), *_memory_per_rank())
         lock = hold_run_directory(cfg.training.output_dir, print)
-        Trainer(cfg).run()
+        Trainer(cfg, stop, allow_config_change=args.allow_config_change).run()
         if baseline is not None:
-            run_reference(baseline, "baseline", f"the fine model ({_shape(baseline)}) from scratch")
+            run_reference(baseline, "baseline", f"the fine model ({_shape(baseline)}) from scratch", stop)
             if control is not None:
-                run_reference(control, "control", f"the coarse model ({_shape(control)}) alone from scratch")
+                run_reference(control, "control", f"the coarse model ({_shape(control)}) alone from scratch", stop)
             if torch.distributed.get_rank() == 0:
                 report_baseline(cfg.training.output_dir, baseline.training.output_dir,
                                 control.training.output_dir if control is not None else None)
+    except Stopped as e:
+        if torch.distributed.get_rank() == 0:
+            print(e, flush=True)
+        shutdown_distributed()
+        return STOPPED_STATUS
     except (ValueError, TrainingError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         shutdown_distributed()
         return 1
     finally:
+        stop.uninstall()
         if lock is not None:
             lock.release()
     shutdown_distributed()

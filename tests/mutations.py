@@ -225,8 +225,33 @@ MUTATIONS = [
                'full_logits = verify.logits_full(latest["tensors"], latest["model"], tokens, step=step)',
                'full_logits = verify.logits_full(latest["tensors"], latest["model"], tokens)'),),
              ("tests/test_ode_pretrain.py::test_checkpoint_tools_on_an_explicit_coarse_phase",)),
+    Mutation("stop-no-agreement", "each rank stops on its own signal only: the ranks do not agree on the step",
+             (("megatron_multilevel/training/stop.py", "        dist.all_reduce(received, op=dist.ReduceOp.MAX)\n",
+               ""),),
+             ("tests/test_stop.py::test_sigterm_to_one_rank_stops_both_at_the_same_step",)),
+    Mutation("stop-one-request-twice", "a signal delivered twice (group and launcher) counts as a second request",
+             (("megatron_multilevel/training/stop.py", "if now - self.received_at < SAME_REQUEST_SECONDS:",
+               "if False:"),),
+             ("tests/test_stop.py::test_the_handler_second_signal_and_grace",)),
+    Mutation("stop-not-forwarded", "the launcher does not forward a signal to the ranks",
+             (("megatron_multilevel/launching/runner.py", "            process.send_signal(signum)\n",
+               "            pass\n"),),
+             ("tests/test_stop.py::test_sigterm_to_the_launcher_saves_stops_every_rank_and_resumes_on_the_uninterrupted_"
+              "losses",)),
+    Mutation("lock-never-held", "a run takes no lock on its directory",
+             (("megatron_multilevel/training/run_lock.py",
+               "            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)\n",
+               "            pass\n"),),
+             ("tests/test_run_lock.py",)),
+    Mutation("save-runtime-error-escapes", "a write failing inside torch's writer escapes the save's handling",
+             ((CHECKPOINT, "    except RuntimeError as e:\n        said =", "    except ZeroDivisionError as e:\n        said ="),),
+             ("tests/test_checkpoint_integrity.py::test_a_file_size_limit_reached_mid_save_removes_the_partial_"
+              "checkpoint",)),
+    Mutation("resume-ignores-config", "a resume takes any config the checkpoint was not written by",
+             (("megatron_multilevel/training/trainer.py", "        if changes and not self.allow_config_change:",
+               "        if False:"),),
+             ("tests/test_config_drift.py",)),
 ]
-
 
 def copy_repository(into: Path) -> Path:
     repo = into / "repo"

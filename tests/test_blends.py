@@ -138,3 +138,21 @@ def test_a_blended_run_resumes_on_the_same_trajectory(datasets, tmp_path):
     ours, ref = losses(tmp_path / "run"), losses(tmp_path / "reference")
     assert [r[:2] for r in ours] == [r[:2] for r in ref]
     assert all(a[2] == pytest.approx(b[2], abs=1e-6) for a, b in zip(ours, ref))
+
+
+def test_a_dataset_that_records_no_tokenizer_is_said(dist_single, datasets, tmp_path, capsys):
+    """The dataset made with another tokenizer, its ``.meta.json`` gone (as Megatron's own
+    preprocessing writes datasets): nothing can refuse it, so the run says that nothing checked it."""
+    import shutil
+
+    from megatron_multilevel.data.datasets import build_data
+
+    bare = tmp_path / "bare"
+    for suffix in (".bin", ".idx"):
+        shutil.copy(datasets["other"] + suffix, str(bare) + suffix)
+    build_data(_config(datasets, blend=[1.0, str(bare)]), train_samples=8, valid_samples=8)
+    said = capsys.readouterr().out
+    assert f"data: {bare} record(s) no tokenizer (no .meta.json" in said
+    assert "made with another tokenizer of the same size trains without an error" in said
+    build_data(_config(datasets, blend=[1.0, datasets["words"]]), train_samples=8, valid_samples=8)
+    assert "record(s) no tokenizer" not in capsys.readouterr().out

@@ -59,7 +59,7 @@ ACCEPTED = {
     ],
     TrainingConfig: [
         "eval_batches", "eval_interval", "keep_checkpoints", "log_interval", "lr", "output_dir",
-        "save_interval", "seed", "train_steps",
+        "save_interval", "seed", "stop_grace_seconds", "train_steps",
     ],
     ParallelConfig: ["sequence_parallel", "tensor_model_parallel_size"],
 }
@@ -380,3 +380,39 @@ def test_random_growth_and_zero_moments_are_accepted():
     cfg = load_config(_grow(growth_operator="random", optimizer_state="map", grown_moments="zero",
                             depth_scaling="identity"))
     assert (cfg.multilevel.growth_operator, cfg.multilevel.grown_moments) == ("random", "zero")
+
+
+@pytest.mark.parametrize("override, says", [
+    ("model.init_method_std=NaN", "model.init_method_std must be a finite number, got nan"),
+    ("gradient_clipping=NaN", "gradient_clipping must be a finite number, got nan"),
+    ("multilevel.levels.0.lr_before.peak=Infinity", "multilevel.levels.0.lr_before.peak must be a finite number, "
+                                                    "got inf"),
+    ("multilevel.levels.0.lr_before.peak=1e300", "lr.peak must be in (0, 10], got 1e+300"),
+    ("optimizer.params.lr=1e300", "optimizer.params.lr must be in (0, 10], got 1e+300"),
+    ("optimizer.params.betas=[0.9,1.5]", "optimizer.params.betas must be two numbers in [0, 1), got [0.9, 1.5]"),
+    ("optimizer.params.eps=0", "optimizer.params.eps must be positive, got 0"),
+    ("optimizer.params.weight_decay=-0.1", "optimizer.params.weight_decay must be >= 0, got -0.1"),
+    ("gradient_clipping=-1", "gradient_clipping must be a number >= 0 (0: no clipping), got -1"),
+    ("model.init_method_std=0", "model.init_method_std must be positive, got 0"),
+    ("training.stop_grace_seconds=-5", "training.stop_grace_seconds must be >= 0 (0: no limit), got -5"),
+])
+def test_values_no_run_can_take_are_one_line_naming_the_key(override, says):
+    """NaN, infinities and values out of range, as overrides give them: refused while the config is
+    read, before anything is built, naming the key."""
+    from megatron_multilevel.pretrain import DEFAULT_CONFIG, apply_overrides
+    from megatron_multilevel.config.parsing import read_json
+
+    with pytest.raises(ValueError) as e:
+        load_config(apply_overrides(read_json(DEFAULT_CONFIG), [override]))
+    assert says in str(e.value)
+
+
+def test_a_model_no_memory_holds_is_refused_with_the_estimate():
+    from megatron_multilevel.flops import check_fits
+
+    cfg = ModelConfig(num_layers=96, hidden_size=1 << 20, num_attention_heads=64, vocab_size=50304)
+    with pytest.raises(ValueError, match=r"has 1\.27e\+1[0-9] parameters: training takes at least 16 bytes each .* "
+                                         r"spread over all 8 rank\(s\), and a rank has 8\.59e\+10 \(its GPU's memory\)"):
+        check_fits(cfg, 8, 80 << 30, "its GPU's memory")
+    check_fits(ModelConfig(num_layers=24, hidden_size=1024, num_attention_heads=16, vocab_size=50304), 1, 80 << 30,
+               "its GPU's memory")

@@ -51,6 +51,9 @@ def check_batch_and_zero(deepspeed: dict, where: str = "") -> None:
         value = deepspeed.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ValueError(f"{key}{where} must be a positive integer, got {value!r}")
+    clipping = deepspeed.get("gradient_clipping")
+    if clipping is not None and (isinstance(clipping, bool) or not isinstance(clipping, (int, float)) or clipping < 0):
+        raise ValueError(f"gradient_clipping{where} must be a number >= 0 (0: no clipping), got {clipping!r}")
     zero = deepspeed.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ValueError(f"zero_optimization{where} must be an object, got {zero!r}")

@@ -89,6 +89,9 @@ class ModelConfig:
                 f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"model.num_query_groups ({self.num_query_groups})"
             )
+        for name in ("init_method_std", "layernorm_epsilon", "rotary_base"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")

@@ -103,6 +103,33 @@ def optimizer_class(kind: str, params: dict, *, offload: bool) -> tuple[str, tup
                      f"{list(VALID_TYPES)}")
 
 
+MAX_LR = 10.0
+"""Above this a rate is a typo (or a unit slip), whatever the optimizer: no model trains there."""
+
+
+def check_param_values(params: dict) -> None:
+    """The values of ``optimizer.params`` that torch would refuse only after the model is built (or
+    take and diverge on): a rate in (0, MAX_LR], betas in [0, 1), a positive eps, a weight decay >= 0."""
+    def number(key):
+        value = params[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"optimizer.params.{key} must be a number, got {value!r}")
+        return value
+
+    for key in ("lr", "adam_lr", "muon_lr"):
+        if key in params and not 0 < number(key) <= MAX_LR:
+            raise ValueError(f"optimizer.params.{key} must be in (0, {MAX_LR:g}], got {params[key]!r}")
+    if "betas" in params:
+        betas = params["betas"]
+        if not (isinstance(betas, list) and len(betas) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+            raise ValueError(f"optimizer.params.betas must be two numbers in [0, 1), got {betas!r}")
+    if "eps" in params and not number("eps") > 0:
+        raise ValueError(f"optimizer.params.eps must be positive, got {params['eps']!r}")
+    if "weight_decay" in params and not number("weight_decay") >= 0:
+        raise ValueError(f"optimizer.params.weight_decay must be >= 0, got {params['weight_decay']!r}")
+
+
 def check_optimizer(deepspeed: dict, *, where: str = "") -> None:
     """Raise ``ValueError`` naming the key if ``deepspeed``'s ``optimizer`` block has a type DeepSpeed
     does not build or a parameter its optimizer does not take. ``where`` prefixes the message."""
@@ -123,6 +150,7 @@ def check_optimizer(deepspeed: dict, *, where: str = "") -> None:
                     f"{', '.join(bad[:-1])} and {bad[-1]} are not parameters")
             raise ValueError(f"{what} of optimizer.type = {block['type']!r} (DeepSpeed builds {cls}); valid params "
                              f"are {list(valid)}")
+        check_param_values(params)
     except ValueError as e:
         raise ValueError(f"{where}{e}") from None
 

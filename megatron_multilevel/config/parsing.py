@@ -7,6 +7,7 @@ and the valid choices, before anything is built.
 import dataclasses
 import difflib
 import json
+import math
 import os
 import types
 import typing
@@ -135,3 +136,15 @@ def check_alpha(alpha: float, name: str = "alpha") -> None:
     """Raise a ValueError naming ``name`` if the interpolation weight ``alpha`` is outside [0, 1]."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {alpha}")
+
+
+def check_finite(data, where: str = "") -> None:
+    """Raise a ValueError naming the key of the first number in ``data`` (a parsed JSON config, its
+    overrides applied) that is NaN or infinite (JSON's ``NaN`` and ``Infinity``, which Python's
+    parser accepts): no key of a run config takes one."""
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        name = f"{where}.{key}" if where else str(key)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")
+        check_finite(value, name)

@@ -37,7 +37,7 @@ from megatron_multilevel.config.parallel import (
     check_sequence_parallel_supported,
     resolve_sequence_parallel,
 )
-from megatron_multilevel.config.parsing import one_line_warning, parse_dataclass, read_json, to_dict
+from megatron_multilevel.config.parsing import check_finite, one_line_warning, parse_dataclass, read_json, to_dict
 from megatron_multilevel.config.training import TrainingConfig
 from megatron_multilevel.cycles import arrivals
 
@@ -386,6 +386,7 @@ def load_config(source: "str | os.PathLike | dict") -> RunConfig:
     data = source if isinstance(source, dict) else read_json(source)
     if not isinstance(data, dict):
         raise ValueError("config: the top level must be a JSON object")
+    check_finite(data)
     data = _one_peak(data)
     unknown = sorted(k for k in data if k not in OUR_KEYS and k not in DEEPSPEED_KEYS)
     if unknown:

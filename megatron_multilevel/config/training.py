@@ -4,6 +4,7 @@ that schedules steps)."""
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Optional
 
+from megatron_multilevel.config.optimizers import MAX_LR
 from megatron_multilevel.config.parsing import check_positive
 
 @dataclass
@@ -27,8 +28,8 @@ class LRConfig:
     Ignored by ``constant``."""
 
     def __post_init__(self):
-        if self.peak <= 0:
-            raise ValueError(f"lr.peak must be positive, got {self.peak}")
+        if not 0 < self.peak <= MAX_LR:
+            raise ValueError(f"lr.peak must be in (0, {MAX_LR:g}], got {self.peak}")
         if self.warmup_steps < 0:
             raise ValueError(f"lr.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_ratio <= 1.0:
@@ -72,10 +73,17 @@ class TrainingConfig:
     """Steps between checkpoints (a checkpoint is also saved at every transition); 0: only those."""
     keep_checkpoints: int = 2
     """Periodic checkpoints kept besides the ones a resume may still need."""
+    stop_grace_seconds: float = 0.0
+    """On SIGTERM or SIGINT a run finishes its step, saves a checkpoint and exits with status 75
+    (``training/stop.py``); if that takes longer than this, it exits at once instead, the last
+    complete checkpoint kept (set it below the scheduler's grace period, e.g. SLURM's KillWait).
+    0: no limit of its own."""
 
     def __post_init__(self):
         for name in ("train_steps", "log_interval", "eval_interval", "eval_batches"):
             check_positive(f"training.{name}", getattr(self, name))
+        if not self.stop_grace_seconds >= 0:
+            raise ValueError(f"training.stop_grace_seconds must be >= 0 (0: no limit), got {self.stop_grace_seconds}")
         if self.save_interval < 0 or self.keep_checkpoints < 1:
             raise ValueError("training.save_interval must be >= 0 and training.keep_checkpoints >= 1")
 

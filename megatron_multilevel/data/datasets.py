@@ -15,6 +15,7 @@ from typing import Optional
 
 import numpy
 import torch
+import torch.distributed as dist
 
 from megatron_multilevel.config import RunConfig
 from megatron_multilevel.data.corpus import default_corpus
@@ -78,10 +79,17 @@ def check_tokenizers(prefixes: list[str], tokenizer) -> None:
                          f"Tokenize every blended dataset with the same tokenizer")
     for prefix, t in recorded.items():
         if t["fingerprint"] != tokenizer.fingerprint:
+            gone = "" if os.path.exists(t["path"]) else ", no longer at that path"
             raise ValueError(
-                f"data: dataset {prefix!r} was made with the tokenizer {t['path']!r} ({t['fingerprint']}), but "
+                f"data: dataset {prefix!r} was made with the tokenizer {t['path']!r} ({t['fingerprint']}{gone}), but "
                 f"data.tokenizer_model is {tokenizer.unique_identifiers['tokenizer_path'][0]!r} "
                 f"({tokenizer.fingerprint}); set data.tokenizer_model to the dataset's tokenizer")
+    unrecorded = [p for p in prefixes if p not in recorded]
+    if unrecorded and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"data: {', '.join(unrecorded)} record(s) no tokenizer (no {META_SUFFIX}, as Megatron's own "
+              f"preprocessing leaves it): nothing checks that data.tokenizer_model "
+              f"({tokenizer.unique_identifiers['tokenizer_path'][0]}) made them; a dataset made with another tokenizer "
+              f"of the same size trains without an error and exports with the wrong tokenizer", flush=True)
 
 
 def check_dataset(prefix: str, tokenizer, vocab_size: int) -> None:

@@ -97,10 +97,10 @@ def _state(cfg: RunConfig) -> str:
     return "finished" if os.path.isfile(os.path.join(run_dir, SUMMARY)) else "started"
 
 
-def run_reference(ref: RunConfig, name: str, about: str) -> None:
+def run_reference(ref: RunConfig, name: str, about: str, stop=None) -> None:
     """Train (or resume, or reuse) the reference run ``ref`` (the baseline or the control, ``name``;
     ``about`` says what it trains) on every rank, after the multilevel run (the comparison is the
-    study's: ``study/baseline.py``)."""
+    study's: ``study/baseline.py``); ``stop``: the process's signal handler (``Trainer``)."""
     from megatron_multilevel.training.trainer import Trainer
 
     rank, ref_dir = dist.get_rank(), ref.training.output_dir
@@ -118,4 +118,4 @@ def run_reference(ref: RunConfig, name: str, about: str) -> None:
     dist.barrier()
     if state != "finished":
         gc.collect()  # the run's engines
-        Trainer(ref).run()
+        Trainer(ref, stop).run()

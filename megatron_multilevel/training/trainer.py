@@ -24,7 +24,7 @@ from megatron_multilevel.data.datasets import build_data
 from megatron_multilevel.data.tokenizer import keep_tokenizer
 from megatron_multilevel.flops import flops_per_token
 from megatron_multilevel.level_maps import LevelMap, run_level_maps
-from megatron_multilevel.training import checkpoint
+from megatron_multilevel.training import checkpoint, config_drift
 from megatron_multilevel.training.checkpoint import RunState
 from megatron_multilevel.training.coalesce_cycle import CoalesceCycle
 from megatron_multilevel.training.context import RunContext, device
@@ -32,6 +32,7 @@ from megatron_multilevel.training.engines import LevelEngines
 from megatron_multilevel.training.metrics import Metrics
 from megatron_multilevel.training.ode_cycle import OdeCycle
 from megatron_multilevel.training.schedule import Phase, build_phases, schedule_signature
+from megatron_multilevel.training.stop import Stopped, StopRequest
 
 
 class TrainingError(RuntimeError):
@@ -39,13 +40,21 @@ class TrainingError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, stop: "StopRequest | None" = None, allow_config_change: bool = False):
+        """``stop``: the process's signal handler, which the run asks after every step (and between
+        phases) whether to save and stop. ``allow_config_change``: a resume may change what the
+        checkpoint's config said (``config_drift.py``)."""
         self.cfg = cfg
+        self.stop = stop
+        self.allow_config_change = allow_config_change
+        self.config_changes: dict = {}
         self.phases = build_phases(cfg)
         self.levels = LevelEngines(cfg, dist.get_world_size())
         self.ctx = RunContext(cfg, self.phases, self.levels)
         self.rank = dist.get_rank()
         self.engine = None
+        self.saved_tag: "str | None" = None
+        """The tag of the checkpoint last saved or resumed from."""
         ml = cfg.multilevel
         self.cycle = OdeCycle(self.ctx) if ml.enabled and ml.strategy == "ode" else CoalesceCycle(self.ctx)
 
@@ -71,12 +80,22 @@ class Trainer:
         if saved is not None and saved != self._config_phases():
             raise ValueError(f"the checkpoint in {self.ctx.run_dir} follows a different schedule; "
                              f"use another training.output_dir")
-        change = self.levels.layout_change(LevelEngines(load_config(sidecar["config"]), sidecar["world_size"]))
+        saved = LevelEngines(load_config(sidecar["config"]), sidecar["world_size"])
+        change = self.levels.layout_change(saved)
         if change is not None:
             raise ValueError(f"the checkpoint {sidecar['tag']} in {self.ctx.run_dir} was written in another layout "
                              f"({change}); reshard the run for this one first: python tools/convert_checkpoint.py "
                              f"reshard {self.ctx.run_dir} NEW_RUN_DIR {self.levels.reshard_flags()}")
         self.cycle.check_resumable(sidecar)
+        changes = config_drift.trajectory_changes(sidecar["config"], config_to_dict(self.cfg))
+        if saved.global_batch != self.levels.global_batch:
+            changes["global batch"] = (saved.global_batch, self.levels.global_batch)
+        if changes and not self.allow_config_change:
+            raise ValueError(
+                f"the checkpoint {sidecar['tag']} in {self.ctx.run_dir} was written by another config "
+                f"({config_drift.describe(changes)}): run its config, use another training.output_dir, or pass "
+                f"--allow-config-change to change it from there on (recorded in {config_drift.CHANGES})")
+        self.config_changes = changes
 
     def _say(self, line: str) -> None:
         """A line on the console before the run's metrics exist (rank 0)."""
@@ -104,10 +123,17 @@ class Trainer:
         self.ctx.metrics = Metrics(self.ctx.run_dir, enabled=self.rank == 0, resume_global_step=state.global_step,
                                    resume_phase=state.phase)
         self.ctx.metrics.say(f"resuming from {tag} (phase {state.phase + 1}/{len(self.phases)}, step {state.step})")
+        if self.config_changes:
+            self.ctx.metrics.say(f"config changed from global step {state.global_step} on (--allow-config-change): "
+                                 f"{config_drift.describe(self.config_changes)}")
+            if self.rank == 0:
+                config_drift.record(self.ctx.run_dir, self.config_changes, global_step=state.global_step, tag=tag,
+                                    config=config_to_dict(self.cfg))
         self.cycle.restore(state)
         phase = self.phases[state.phase]
         self.engine = self.ctx.engine(self.levels.build_empty_model(phase.level), phase)
         checkpoint.load(self.engine, self.ctx.run_dir, tag, restore_rng=sidecar["world_size"] == dist.get_world_size())
+        self.saved_tag = tag
         self.cycle.resume(phase, tag, self.engine)
         self.ctx.metrics.record("resume", global_step=state.global_step, phase=state.phase, tag=tag)
         return state
@@ -159,15 +185,30 @@ class Trainer:
         self.ctx.metrics.say(f"[level {phase.level} | phase {phase.index + 1}/{len(self.phases)} | "
                          f"step {self.ctx.state.step}/{phase.steps}] validation loss {loss:.4f}")
 
+    def _check_finite_weights(self) -> None:
+        """A step whose loss was finite can still leave non-finite weights (its update overflowed);
+        such a model is never saved as a good checkpoint: every rank checks its own parameters (its
+        ZeRO-3 partition) and the run stops as on a non-finite loss, the last good checkpoint kept."""
+        params = [getattr(p, "ds_tensor", p) for p in self.engine.module.parameters()]
+        finite = torch.stack([torch.isfinite(p).all() for p in params]).all().to(torch.int32).reshape(1)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite.item():
+            raise TrainingError(
+                f"weights are not finite after global step {self.ctx.state.global_step} (the loss was finite before "
+                f"that step's update); stopped, the last good checkpoint in "
+                f"{checkpoint.checkpoint_dir(self.ctx.run_dir)} is kept")
+
     def _config_phases(self) -> list[dict]:
         """The schedule a resume must follow: level and steps of every phase (and the ODE coarse parity)."""
         return schedule_signature(self.phases)
 
     def _save(self) -> None:
         t0 = time.perf_counter()
+        self._check_finite_weights()
         meta = {**self._meta(), "config_phases": self._config_phases(),
                 **self.cycle.meta(self.phases[self.ctx.state.phase])}
-        checkpoint.save(self.engine, self.ctx.run_dir, self.ctx.state, meta=meta, extra=self.cycle.save_extra)
+        self.saved_tag = checkpoint.save(self.engine, self.ctx.run_dir, self.ctx.state, meta=meta,
+                                         extra=self.cycle.save_extra)
         checkpoint.rotate(self.ctx.run_dir, self.ctx.state, self.cfg.training.keep_checkpoints)
         self.ctx.state.counters["checkpoint_seconds"] += time.perf_counter() - t0
 
@@ -213,6 +254,20 @@ class Trainer:
                 self._record_valid(phase, self._evaluate(phase.level))
             if t.save_interval and state.global_step % t.save_interval == 0 and state.step < phase.steps:
                 self._save()
+            if state.step < phase.steps:  # at the phase's end, after its own checkpoint (run)
+                self._stop_if_asked()
+
+    def _stop_if_asked(self) -> None:
+        """Save where the run stands (unless its checkpoint is the last one) and raise ``Stopped``,
+        if any rank received a signal (collective)."""
+        if self.stop is None or not self.stop.agreed():
+            return
+        state = self.ctx.state
+        tag = checkpoint.tag_of(state.phase, state.step)
+        if self.saved_tag != tag:
+            self._save()
+        self.stop.saved = True
+        raise Stopped(self.stop.name, state.global_step, tag, checkpoint.checkpoint_dir(self.ctx.run_dir))
 
     def _fine_only_flops(self, tokens: int) -> float:
         """FLOPs the fine model alone would spend on ``tokens``."""
@@ -304,6 +359,7 @@ class Trainer:
                 row["train_seconds"] = state.counters["train_seconds"] - row["train_seconds_start"]
                 self._record_valid(phase, row["valid_loss"])
                 self._save()
+            self._stop_if_asked()
             end_tag = checkpoint.tag_of(state.phase, state.step)
             if state.phase + 1 < len(self.phases):
                 self._transition(phase, self.phases[state.phase + 1], end_tag)
