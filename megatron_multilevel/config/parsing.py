@@ -138,13 +138,25 @@ def check_alpha(alpha: float, name: str = "alpha") -> None:
         raise ValueError(f"{name} must be in [0, 1], got {alpha}")
 
 
-def check_finite(data, where: str = "") -> None:
+def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": [1, {"c": 2}]}}`` as ``{"a.b.0": 1, "a.b.1.c": 2}``: a config's values by their
+    dotted keys, as overrides and messages name them."""
+    if isinstance(config, dict):
+        items = config.items()
+    elif isinstance(config, list):
+        items = enumerate(config)
+    else:
+        return {prefix[:-1]: config}
+    out = {}
+    for key, value in items:
+        out.update(flatten(value, f"{prefix}{key}."))
+    return out
+
+
+def check_finite(data: dict) -> None:
     """Raise a ValueError naming the key of the first number in ``data`` (a parsed JSON config, its
     overrides applied) that is NaN or infinite (JSON's ``NaN`` and ``Infinity``, which Python's
     parser accepts): no key of a run config takes one."""
-    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
-    for key, value in items:
-        name = f"{where}.{key}" if where else str(key)
+    for name, value in flatten(data).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number, got {value}")
-        check_finite(value, name)

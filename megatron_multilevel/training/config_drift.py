@@ -6,7 +6,8 @@ then each change is recorded in ``<run>/config_changes.jsonl`` with the step it 
 import json
 import os
 import re
-from typing import Any
+
+from megatron_multilevel.config.parsing import flatten
 
 # Keys that do not change what the run computes: where it writes, how often it logs, evaluates and
 # saves, how long a stop may take, where the data cache is; the layout (tensor-parallel size, ZeRO
@@ -18,20 +19,6 @@ NEUTRAL = ("training.output_dir", "training.log_interval", "training.eval_interv
            "zero_optimization.", "activation_checkpointing.", "steps_per_print", "wall_clock_breakdown",
            "tensorboard.", "wandb.", "csv_monitor.", "comet.", "flops_profiler.")
 CHANGES = "config_changes.jsonl"
-
-
-def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": [1, {"c": 2}]}}`` as ``{"a.b.0": 1, "a.b.1.c": 2}``."""
-    if isinstance(config, dict):
-        items = config.items()
-    elif isinstance(config, list):
-        items = enumerate(config)
-    else:
-        return {prefix[:-1]: config}
-    out = {}
-    for key, value in items:
-        out.update(flatten(value, f"{prefix}{key}."))
-    return out
 
 
 def trajectory_changes(saved: dict, ours: dict) -> dict[str, tuple]:

@@ -80,16 +80,16 @@ class Trainer:
         if saved is not None and saved != self._config_phases():
             raise ValueError(f"the checkpoint in {self.ctx.run_dir} follows a different schedule; "
                              f"use another training.output_dir")
-        saved = LevelEngines(load_config(sidecar["config"]), sidecar["world_size"])
-        change = self.levels.layout_change(saved)
+        saved_levels = LevelEngines(load_config(sidecar["config"]), sidecar["world_size"])
+        change = self.levels.layout_change(saved_levels)
         if change is not None:
             raise ValueError(f"the checkpoint {sidecar['tag']} in {self.ctx.run_dir} was written in another layout "
                              f"({change}); reshard the run for this one first: python tools/convert_checkpoint.py "
                              f"reshard {self.ctx.run_dir} NEW_RUN_DIR {self.levels.reshard_flags()}")
         self.cycle.check_resumable(sidecar)
         changes = config_drift.trajectory_changes(sidecar["config"], config_to_dict(self.cfg))
-        if saved.global_batch != self.levels.global_batch:
-            changes["global batch"] = (saved.global_batch, self.levels.global_batch)
+        if saved_levels.global_batch != self.levels.global_batch:
+            changes["global batch"] = (saved_levels.global_batch, self.levels.global_batch)
         if changes and not self.allow_config_change:
             raise ValueError(
                 f"the checkpoint {sidecar['tag']} in {self.ctx.run_dir} was written by another config "
