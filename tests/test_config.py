@@ -43,9 +43,9 @@ ACCEPTED = {
     ],
     OdeConfig: [
         "coarse", "coarse_deepspeed", "coarse_lr", "coarse_steps", "coarse_tensor_model_parallel_size", "coherence",
-        "coherence_batches",
-        "correction_scale", "cycles", "final_lr", "final_steps", "fine_lr", "line_search", "optimizer_state",
-        "parametrisation", "post_steps", "pre_steps", "prolongation", "residual_scale",
+        "coherence_batches", "coherence_max_ratio",
+        "correction_scale", "cycles", "final_lr", "final_steps", "fine_lr", "first_lr", "line_search", "optimizer_state",
+        "parametrisation", "post_steps", "pre_steps", "prolongation", "residual_scale", "trust_radius",
     ],
     LevelConfig: [
         "alpha", "deepspeed", "lr_after", "lr_before", "steps_after", "steps_before",

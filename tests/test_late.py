@@ -235,3 +235,27 @@ def test_a_late_expansion_resumes_after_a_kill_mid_phase(late_run, corpus, tmp_p
     ok(launch(killed))
     assert_close_to_reference(tmp_path / "killed", late_run, **SAME_RUN)
 
+
+
+@pytest.mark.parametrize("lr_schedule", ["restart", "continue"])
+def test_with_schedule_gives_the_ode_strategy_the_runs_decay(lr_schedule):
+    """The ODE strategy under a warmup-stable-decay schedule: whether each phase has its own schedule
+    (the cycles at constant rates) or one runs over all, the rate at every global step is scratch's
+    (its warm-up once, the peak until the last 20% of the steps, then 1-sqrt to 0)."""
+    from megatron_multilevel.config import LRConfig, load_config
+    from megatron_multilevel.study.variants import variant_configs
+    from megatron_multilevel.training.schedule import build_phases, lr_factor
+
+    base = _scratch()
+    made = variant_configs(base, steps=1000, fine_lr=2e-3, ea=0.1, methods=["ode2"], lr_schedule=lr_schedule,
+                           warmup=40)["ode2"]
+    out = with_schedule(made, decay="1-sqrt", decay_fraction=0.2, min_ratio=0.0)
+    phases = build_phases(load_config(out))
+    factors = [p.lr.peak / 2e-3 * p.lr_factor(step) for p in phases for step in range(p.steps)]
+    total = len(factors)
+    wsd = LRConfig(peak=2e-3, warmup_steps=40, decay="1-sqrt", decay_fraction=0.2, min_ratio=0.0)
+    expected = [lr_factor(step, total, wsd) for step in range(total)]
+    assert factors == pytest.approx(expected, abs=1e-12)
+    # one warm-up, at the start (as scratch's), then the peak until the decay
+    assert factors[:40] == pytest.approx([(s + 1) / 40 for s in range(40)])
+    assert factors[40: int(0.8 * total) - 1] == [1.0] * (int(0.8 * total) - 41) and factors[-1] < 0.05

@@ -212,6 +212,14 @@ def test_ode_phase_list():
         (0, 0, "pre", None), (1, 10, "coarse", 1), (0, 0, "pre", None), (1, 10, "coarse", 1), (0, 0, "pre", None),
         (1, 10, "coarse", 1), (0, 0, "final", None)]
     assert [p.parity for p in build_phases(load_config(_ode(cycles=2, coarse="even"))) if p.level] == [0, 0]
+    # first_lr: the first phase that trains, and no other
+    first = {"peak": 0.5, "warmup_steps": 3}
+    with_pre = build_phases(load_config(_ode(cycles=2, pre_steps=2, fine_lr={"peak": 0.1}, first_lr=first)))
+    assert [(p.name, p.lr.peak, p.lr.warmup_steps) for p in with_pre][:4] == [
+        ("pre", 0.5, 3), ("coarse", 1e-3, 0), ("post", 0.1, 0), ("pre", 0.1, 0)]
+    coarse_first = build_phases(load_config(_ode(cycles=2, pre_steps=0, first_lr=first)))
+    assert [(p.name, p.steps, p.lr.peak) for p in coarse_first][:3] == [("pre", 0, 1e-3), ("coarse", 10, 0.5),
+                                                                        ("post", 10, 1e-3)]
 
 
 def test_ode_block_round_trips_and_defaults():
@@ -252,12 +260,17 @@ def test_ode_block_round_trips_and_defaults():
          r"multilevel.ode.coherence_batches \(4\) must not exceed multilevel.ode.coarse_steps \(3\)"),
         (_ode(pre_steps=-1), r"multilevel.ode.pre_steps must be >= 0"),
         (_ode(correction_scale=0), r"multilevel.ode.correction_scale must be positive"),
-        (_ode(fine_lr={"peak": 0}), r"lr.peak must be positive"),
+        (_ode(fine_lr={"peak": 0}), r"lr.peak must be in \(0, 10\], got 0"),
         ({**_ode(), "optimizer": {"type": "Lamb"}}, r"optimizer.type = 'Lamb'.*valid choices are \['Adam', 'AdamW', 'SGD'\]"),
         ({**_ode(), "optimizer": {"type": "sgd"}}, r"valid choices are \['Adam', 'AdamW', 'SGD'\]"),
         ({**_ode(), "optimizer": {"type": "SGD"}, "zero_optimization": {"stage": 2}},
          r"\"zero_allow_untested_optimizer\": true for SGD under ZeRO"),
-        ({**_ode(coherence="first_order"), "fp16": {"enabled": True}}, r"not supported with fp16"),
+        ({**_ode(coherence="first_order", line_search=True), "fp16": {"enabled": True}}, r"not supported with fp16"),
+        (_ode(coherence="first_order"),
+         r"multilevel.ode.coherence = \"first_order\" needs multilevel.ode.line_search = true.*coherence \"none\""),
+        (_ode(coherence_max_ratio=0), r"multilevel.ode.coherence_max_ratio must be a positive number or null, got 0"),
+        (_ode(coherence_max_ratio="high"), r"multilevel.ode.coherence_max_ratio"),
+        (_ode(trust_radius=-1.0), r"multilevel.ode.trust_radius must be a positive number or null, got -1.0"),
         ({**_ode(optimizer_state="keep"), "bf16": {"enabled": True}},
          r"optimizer_state = 'keep' with bf16/fp16 needs zero_optimization.stage >= 1"),
         # the coarse models' layout

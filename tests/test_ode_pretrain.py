@@ -19,8 +19,10 @@ ODE = {
     "fine_lr": {"peak": 2e-3, "decay": "constant"}, "coarse_lr": {"peak": 4e-3, "decay": "constant"},
     "final_lr": {"peak": 1e-3, "decay": "constant"},
 }
-# AdamW, moments mapped, coherence and line search on: every piece of state a resume needs
-FULL = {**ODE, "optimizer_state": "map", "coherence": "first_order", "line_search": True, "prolongation": "linear"}
+# AdamW, moments mapped, coherence (ungated: installed every cycle) and line search on: every piece
+# of state a resume needs
+FULL = {**ODE, "optimizer_state": "map", "coherence": "first_order", "coherence_max_ratio": None, "line_search": True,
+        "prolongation": "linear"}
 SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}}
 
 
@@ -130,10 +132,73 @@ def test_one_process_ode_cycles(reference):
     sidecar = json.loads((coarse_ckpt / "multilevel.json").read_text())
     assert json.loads(sidecar["selection"])["parity"] == 0 and sidecar["state"]["open_levels"] == {"0": "phase00-step0000002"}
     assert "reference_loss" in sidecar["state"]["ode"] and (coarse_ckpt / "coherence.pt").is_file()
+    # the coherence diagnostics: measured at every restriction (ungated here: installed), and the
+    # coarse phase's change at every prolongation, in the metrics, the summary rows and the console
+    measured = records(run, "coherence")
+    assert [(r["phase"], r["cycle"], r["installed"], r["max_ratio"]) for r in measured] == [
+        (1, 0, True, None), (4, 1, True, None)]
+    for r in measured:
+        assert 0 < r["rho"] < float("inf") and -1 <= r["cosine"] <= 1 and r["v_norm"] > 0, r
+        assert r["v_norm"] == pytest.approx(r["rho"] * r["fine_grad_norm"], rel=1e-9)
+    assert [p["coherence"]["rho"] for p in phases if p["name"] == "coarse"] == [r["rho"] for r in measured]
+    changes = records(run, "coarse_change")
+    assert [r["phase"] for r in changes] == [1, 4]
+    assert all(r["norm"] > 0 and isinstance(r["v_dot"], float) and not r["bounded"] for r in changes), changes
+    assert [p["coarse_change"]["norm"] for p in phases if p["name"] == "post"] == [r["norm"] for r in changes]
+    assert out.count("first-order term on") == 2 and out.count("|P change|") == 2
     # every return to the fine level is scored at once, and the run learns
     valid = records(run, "valid")
     assert [(r["phase"], r["step"]) for r in valid if r["step"] == 0] == [(2, 0), (5, 0)]
     assert valid[-1]["loss"] < valid[0]["loss"] - 0.3
+
+
+def test_a_closed_gate_is_the_run_without_the_term(reference, corpus, tmp_path):
+    """``coherence_max_ratio`` below every rho: the term is measured (and its passes counted) but never
+    installed, so the run is the one with ``coherence: none`` step for step; nothing is saved for it
+    and the console says so."""
+    training = {"log_interval": 1, "eval_interval": 4, "eval_batches": 2, "save_interval": 3, "seed": 5,
+                "keep_checkpoints": 100}
+    runs = {}
+    for name, ode in (("gated", {**FULL, "coherence_max_ratio": 1e-9}), ("none", {**FULL, "coherence": "none"})):
+        config = _config(tmp_path, corpus, name, ode=ode, training={**training, "output_dir": str(tmp_path / name)})
+        runs[name] = _ok(launch(config)).stdout
+    gated = tmp_path / "gated"
+    assert_close_to_reference(gated, {"dir": tmp_path / "none"}, **SAME_RUN)
+    assert runs["gated"].count("the coarse loss alone this phase") == 2 and "first-order term on" not in runs["gated"]
+    assert [r["installed"] for r in records(gated, "coherence")] == [False, False]
+    # the first restriction measures what the ungated reference measured there (the same point)
+    assert records(gated, "coherence")[0]["rho"] == pytest.approx(records(reference["dir"], "coherence")[0]["rho"],
+                                                                   rel=1e-6)
+    assert not list(gated.glob("checkpoints/*/coherence.pt"))
+    assert all(r["v_dot"] is None for r in records(gated, "coarse_change"))
+    extra = [p["extra_flops"] for p in _summary(gated)["phases"] if p["name"] == "coarse"]
+    assert extra == [p["extra_flops"] for p in _summary(reference["dir"])["phases"] if p["name"] == "coarse"]
+    # killed mid coarse phase, the resumed run installs no term either (and looks for no vector)
+    (tmp_path / "resumed").mkdir()
+    resumed = _crash_and_resume(tmp_path / "resumed", corpus, "step4", {**FULL, "coherence_max_ratio": 1e-9},
+                                training={**training, "output_dir": str(tmp_path / "resumed" / "run")})
+    assert [r["phase"] for r in records(resumed, "resume")] == [1]
+    _assert_same_run(resumed, gated, **SAME_RUN)
+
+
+def test_the_trust_radius_bounds_the_written_back_change(corpus, tmp_path):
+    """``trust_radius`` far below the coarse phases' changes: each is scaled to the radius (the record
+    says by how much), so the fine model comes back as it was, its validation loss with it."""
+    training = {"output_dir": str(tmp_path / "run"), "log_interval": 1, "eval_interval": 4, "eval_batches": 2,
+                "seed": 5}
+    radius = 1e-4
+    out = _ok(launch(_config(tmp_path, corpus, "run", ode={**ODE, "trust_radius": radius}, training=training))).stdout
+    run = tmp_path / "run"
+    changes = records(run, "coarse_change")
+    assert len(changes) == 2 and all(r["bounded"] and r["norm"] > 100 * radius for r in changes), changes
+    assert [r["correction_scale"] for r in changes] == pytest.approx([radius / r["norm"] for r in changes], rel=1e-9)
+    assert out.count("(bounded by multilevel.ode.trust_radius)") == 2
+    phases, valid = _summary(run)["phases"], records(run, "valid")
+    for post in (p for p in phases if p["name"] == "post"):
+        coarse = phases[post["phase"] - 1]
+        before = phases[post["phase"] - 2]["valid_loss"]  # the fine model the coarse phase started from
+        after = next(r["loss"] for r in valid if r["phase"] == post["phase"] and r["step"] == 0)
+        assert abs(after - before) < 1e-3 < abs(coarse["valid_loss"] - before), (before, after, coarse["valid_loss"])
 
 
 def _crash_and_resume(tmp_path, corpus, crash_at, ode, **blocks):
@@ -308,7 +373,7 @@ def test_sgd_resume_mid_coarse_phase(sgd_reference, corpus, tmp_path):
 
 
 def test_bert_sgd_without_momentum(corpus, tmp_path):
-    ode = {**ODE, "coherence": "first_order", "optimizer_state": "keep", "fine_lr": {"peak": 0.1},
+    ode = {**ODE, "coherence": "first_order", "line_search": True, "optimizer_state": "keep", "fine_lr": {"peak": 0.1},
            "coarse_lr": {"peak": 0.1}, "final_lr": None}
     optimizer = {"type": "SGD", "params": {"lr": 0.1}}
     out = _ok(launch(_config(tmp_path, corpus, "run", kind="bert", ode=ode, optimizer=optimizer))).stdout
@@ -414,7 +479,7 @@ def test_checkpoint_tools_on_a_coarse_phase(corpus, tmp_path):
     reshard the run, which then finishes at the new size."""
     training = {"output_dir": str(tmp_path / "run"), "log_interval": 1, "eval_interval": 100, "eval_batches": 1,
                 "save_interval": 11, "seed": 5}
-    config = _config(tmp_path, corpus, "run", ode={**FULL, "line_search": False}, training=training,
+    config = _config(tmp_path, corpus, "run", ode=FULL, training=training,
                      parallel={"tensor_model_parallel_size": 2}, zero_optimization={"stage": 1})
     crashed = launch(config, "--num_procs", 2, env={"MEGATRON_MULTILEVEL_CRASH_AT": "step12"})
     assert crashed.returncode != 0
@@ -511,3 +576,35 @@ def test_coarse_first_writes_the_change_into_both_layers_of_each_pair(corpus, tm
                                        rtol=0, atol=1e-6)
         checked += 1
     assert checked == 2 * 12 and set(fine) == set(fresh)  # 2 coarse layers of 12 tensors (4 doubled)
+
+
+def _probe_config(tmp_path, name, **ode):
+    """``configs/gpt_ode_coherence_probe.json`` (GPT 12 x 64, SGD 0.1 with momentum 0.9, 4 cycles
+    alternating the even and odd coarse models, the embedded corpus) with ``ode`` keys changed."""
+    config = json.loads((ROOT / "configs" / "gpt_ode_coherence_probe.json").read_text())
+    config["training"]["output_dir"] = str(tmp_path / name)
+    config["multilevel"]["ode"].update(ode)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
+@pytest.mark.slow
+def test_the_gated_coherence_term_does_no_harm(tmp_path):
+    """The setting where the ungated term diverges (from the first odd coarse model on, rho is above
+    1 and every step length of the written-back change raises the fine loss): with the defaults (the
+    gate at 1.0, the line search) no prolongation leaves the fine model more than 0.25 nats above
+    where the cycle's coarse phase started, and the run ends within 0.05 of the one without the term."""
+    for name, ode in (("gated", {}), ("none", {"coherence": "none"})):
+        _ok(launch(_probe_config(tmp_path, name, **ode), timeout=1200))
+    run = tmp_path / "gated"
+    phases = _summary(run)["phases"]
+    valid = records(run, "valid")
+    for post in (p for p in phases if p["name"] == "post"):
+        before = next(p for p in phases if p["name"] == "pre" and p["cycle"] == post["cycle"])["valid_loss"]
+        after = next(r["loss"] for r in valid if r["phase"] == post["phase"] and r["step"] == 0)
+        assert after <= before + 0.25, (post["cycle"], before, after)
+    measured = records(run, "coherence")
+    assert len(measured) == 4 and any(not r["installed"] for r in measured)  # the gate closed somewhere here
+    final = _summary(run)["totals"]["final_valid_loss"]
+    assert final == pytest.approx(_summary(tmp_path / "none")["totals"]["final_valid_loss"], abs=0.05)

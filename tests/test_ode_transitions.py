@@ -98,6 +98,21 @@ def _gather_dict(values, cfg):
     return out
 
 
+def _dot(a, b):
+    """``<a, b>`` of two dicts of full tensors, in float64."""
+    return sum(torch.dot(t.double().flatten(), b[n].double().flatten()).item() for n, t in a.items())
+
+
+def _independent_statistics(fine, coarse, v):
+    """Norms, cosine and rho of full gradients, one flat vector each."""
+    flat = {k: torch.cat([t.double().flatten() for _, t in sorted(d.items())]) for k, d in
+            (("fine", fine), ("coarse", coarse), ("v", v))}
+    norms = {k: t.norm().item() for k, t in flat.items()}
+    return {"fine_grad_norm": norms["fine"], "coarse_grad_norm": norms["coarse"], "v_norm": norms["v"],
+            "cosine": torch.dot(flat["fine"], flat["coarse"]).item() / (norms["fine"] * norms["coarse"]),
+            "rho": norms["v"] / norms["fine"]}
+
+
 def _shard_like(full, module, cfg):
     """This rank's tensor-parallel shards of full tensors, split as Megatron's own parameter
     attributes say (an independent counterpart of ``_reference_gather``)."""
@@ -134,7 +149,7 @@ def _case(case):
     from megatron_multilevel.ode_operators import restrict as restrict_tensors
     from megatron_multilevel.ode_operators import restrict_gradient, unrestrict_layer
     from megatron_multilevel.parallel import coherence
-    from megatron_multilevel.parallel.ode_transition import DEGREE, prolong, restrict
+    from megatron_multilevel.parallel.ode_transition import DEGREE, prolong, prolonged_change_norm, restrict
     from megatron_multilevel.parallel.staging import Layout, load_moments
     from megatron_multilevel.parallel.zero import materialize_optimizer_state
     from megatron_multilevel.training.engines import build_empty_model
@@ -174,6 +189,16 @@ def _case(case):
     coarse_grad = coherence.step_gradients(coarse.module, lambda micro: _loss(coarse_module, sel.coarse, 2), 1)
     restricted_here = _shard_like(restricted_grad, coarse.module, sel.coarse)  # in the coarse layout
     v = {n: fine_grad_r - coarse_grad[n] for n, fine_grad_r in restricted_here.items()}
+    # the coherence diagnostics against the same quantities on the gathered full tensors
+    v_here, stats = coherence.statistics(restricted_here, coarse_grad, sel.coarse)
+    diffs["v"] = max((v_here[n] - t).abs().max().item() for n, t in v.items())
+    full_v = {n: restricted_grad[n] - g for n, g in _gather_dict(coarse_grad, sel.coarse).items()}
+    expected = _independent_statistics(restricted_grad, _gather_dict(coarse_grad, sel.coarse), full_v)
+    diffs["statistics"] = max(abs(stats[k] - x) / max(abs(x), 1e-12) for k, x in expected.items())
+    out["rho"] = stats["rho"]
+    coarse_start = restrict_tensors(fine_full, sel)
+    v_dot_start = coherence.parameter_dot(v, coarse.module, sel.coarse)
+    diffs["v_dot_start"] = abs(v_dot_start - _dot(full_v, coarse_start)) / abs(_dot(full_v, coarse_start))
     # with two accumulation steps (the same batch twice) each gets half of v
     hook = coherence.CoherenceHook(coarse.module, v, 2)
     coherent = coherence.step_gradients(coarse.module, lambda micro: _loss(coarse_module, sel.coarse, 2), 2)
@@ -186,6 +211,15 @@ def _case(case):
     coarse_full = _reference_gather(coarse, sel.coarse)
     coarse_state = {k: _reference_gather(coarse, sel.coarse, k) for k in keys}
 
+    # the phase's change in fine units, |P (end - start)|, and <v, end - start>
+    norm = prolonged_change_norm(coarse.module, before, sel, **layouts, prolongation=case["prolongation"])
+    change = prolong_tensors({n: torch.zeros_like(t) for n, t in fine_full.items()}, coarse_full, sel,
+                             prolongation=case["prolongation"], coarse_start=coarse_start)
+    expected_norm = _dot(change, change) ** 0.5
+    diffs["change_norm"] = abs(norm - expected_norm) / expected_norm
+    v_dot = coherence.parameter_dot(v, coarse.module, sel.coarse) - v_dot_start
+    expected_v_dot = _dot(full_v, {n: t - coarse_start[n] for n, t in coarse_full.items()})
+    diffs["v_dot_change"] = abs(v_dot - expected_v_dot) / max(abs(expected_v_dot), 1e-3 * abs(v_dot_start))
     with counter:
         staged = prolong(coarse.module, before, sel, **layouts, prolongation=case["prolongation"],
                          build_target=functools.partial(build_empty_model, sel.fine, fine_layout,
@@ -301,3 +335,50 @@ def test_two_processes_tensor_parallel_change(reference, tmp_path):
     for case, result in zip(cases, results[0]):
         # the TP=2 model is gathered whole (restriction reads the fine model, prolongation the coarse one)
         assert result["restrict_collectives" if case["tp"] == 2 else "collectives"] > 0, case
+
+
+def _gate_worker(rank, world):
+    """A 4-layer GPT whose odd layers are identities (residual outputs zero) and whose even layers
+    are strong (residual outputs x10): at residual scale 1 the even coarse model is the fine model's
+    own function (a perfect first-order model, v = 0), the odd one drops every layer that acts."""
+    from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
+    from megatron_multilevel.level_maps import LayerSelection
+    from megatron_multilevel.models import build_model
+    from megatron_multilevel.ode_operators import restrict as restrict_tensors
+    from megatron_multilevel.ode_operators import restrict_gradient
+    from megatron_multilevel.parallel import coherence
+    from megatron_multilevel.plan import parameter_plan
+
+    cfg = _model_config("gpt")
+    set_tensor_model_parallel_size(1)
+    set_seed(7)
+    fine = build_model(cfg)
+    plan = parameter_plan(cfg)
+    with torch.no_grad():
+        for name, p in fine.named_parameters():
+            layer, rule = plan.rule(name)
+            if layer is not None and rule.residual:
+                p.mul_(0.0 if layer % 2 else 10.0)
+    fine_grad = coherence.step_gradients(fine, lambda m: _loss(fine, cfg, 2), 1)
+    full = {n: p.detach().clone() for n, p in fine.named_parameters()}
+    out = {}
+    for parity in (0, 1):
+        sel = LayerSelection(cfg, parity, 1)
+        coarse = build_model(sel.coarse)
+        coarse.load_state_dict(restrict_tensors(full, sel), strict=False)
+        coarse_grad = coherence.step_gradients(coarse, lambda m: _loss(coarse, sel.coarse, 2), 1)
+        _, stats = coherence.statistics(restrict_gradient(fine_grad, sel), coarse_grad, sel.coarse)
+        out[parity] = {"stats": stats, "installs": coherence.installs(stats, 1.0),
+                       "ungated": coherence.installs(stats, None)}
+    return out
+
+
+def test_the_gate_tells_an_incoherent_coarse_model_from_a_coherent_one(tmp_path):
+    """The coherence gate (``coherence_max_ratio`` 1.0) installs the term for the coarse model that
+    models the fine one (rho ~ 0, cosine 1) and not for the one that does not (rho > 1)."""
+    (out,) = run_ranks(_gate_worker, 1, tmp_path)
+    even, odd = out[0], out[1]
+    assert even["stats"]["rho"] < 1e-5 and even["stats"]["cosine"] > 1 - 1e-6, even
+    assert odd["stats"]["rho"] > 1.0, odd
+    assert even["installs"] and not odd["installs"]
+    assert even["ungated"] and odd["ungated"]  # null: no gate

@@ -25,7 +25,7 @@ def test_shutdown_destroys_megatrons_groups_and_the_process_group():
 
 
 @pytest.mark.parametrize("fails", [False, True])
-def test_a_run_shuts_its_groups_down_whether_it_ends_or_fails(monkeypatch, fails):
+def test_a_run_shuts_its_groups_down_whether_it_ends_or_fails(monkeypatch, tmp_path, fails):
     """pretrain.main destroys the groups after the run, and after a run that stops with an error."""
     import megatron_multilevel.distributed as distributed
     import megatron_multilevel.pretrain as pretrain
@@ -34,7 +34,7 @@ def test_a_run_shuts_its_groups_down_whether_it_ends_or_fails(monkeypatch, fails
     calls = []
 
     class Trainer:
-        def __init__(self, cfg):
+        def __init__(self, cfg, *args, **kwargs):
             pass
 
         def run(self):
@@ -42,11 +42,22 @@ def test_a_run_shuts_its_groups_down_whether_it_ends_or_fails(monkeypatch, fails
             if fails:
                 raise trainer.TrainingError("the loss is not finite")
 
-    monkeypatch.setattr(distributed, "init_distributed", lambda *a, **k: calls.append("init"))
-    monkeypatch.setattr(distributed, "shutdown_distributed", lambda: calls.append("shutdown"))
+    init, shutdown = distributed.init_distributed, distributed.shutdown_distributed
+
+    def init_one_process(*args, **kwargs):  # a real one-process group: the run lock and size check use it
+        calls.append("init")
+        init(1, init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+
+    def shut_down():
+        calls.append("shutdown")
+        shutdown()
+
+    monkeypatch.setattr(distributed, "init_distributed", init_one_process)
+    monkeypatch.setattr(distributed, "shutdown_distributed", shut_down)
     monkeypatch.setattr(trainer, "Trainer", Trainer)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with warnings.catch_warnings():
-        code = pretrain.main(["--config", str(ROOT / "configs" / "gpt_tiny_cpu.json"), "--no-baseline"])
+        code = pretrain.main(["--config", str(ROOT / "configs" / "gpt_tiny_cpu.json"), "--no-baseline",
+                             f"training.output_dir={tmp_path}"])
     assert code == (1 if fails else 0)
     assert calls == ["init", "run", "shutdown"]

@@ -47,6 +47,17 @@ class OdeConfig:
     phase's first ones; no more than ``coarse_steps``). Built on one batch, the constant term is as
     wrong on the next as the minibatch noise between them; each batch costs a fine and a coarse
     gradient pass, counted in FLOPs."""
+    coherence_max_ratio: Optional[float] = 1.0
+    """With ``first_order`` coherence: the gate. At each restriction the coarse model's coherence
+    ``rho = |v| / |P^T grad L_fine|`` is measured; above this ratio the coarse model is not a useful
+    first-order model of the fine one there (``v`` cancels its own gradient, and the corrected
+    objective descends along ``-v`` without bound), so the phase trains the coarse loss alone and
+    says so. ``v``'s gradient passes are spent (and counted) either way. Null: no gate, the term
+    always installed."""
+    trust_radius: Optional[float] = None
+    """A bound on the written-back change in fine units: where ``|P (theta_H_end - theta_H_start)|``
+    times ``correction_scale`` exceeds it, the change is scaled down to it (before the line search,
+    if any). Null: no bound. A knob for studying the coherence term, not a measured default."""
     correction_scale: float = 1.0
     """Step size on the written-back change."""
     line_search: bool = False
@@ -73,6 +84,10 @@ class OdeConfig:
     """Schedule of every coarse phase."""
     final_lr: Optional[LRConfig] = None
     """Schedule of the final fine phase; null means ``fine_lr``."""
+    first_lr: Optional[LRConfig] = None
+    """Schedule of the run's first phase that trains (the first pre-smoothing, or with ``pre_steps`` 0
+    the first coarse phase), e.g. ``fine_lr`` with a warm-up that the later phases do not repeat;
+    null means that phase's own."""
     coarse_tensor_model_parallel_size: Optional[int] = None
     """Tensor-parallel size of the coarse models (data parallelism takes the other ranks); null means
     ``parallel.tensor_model_parallel_size``."""
@@ -95,6 +110,15 @@ class OdeConfig:
                 raise ValueError(f"multilevel.ode.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("coarse_steps", "cycles", "coherence_batches"):
             check_positive(f"multilevel.ode.{name}", getattr(self, name))
+        for name in ("coherence_max_ratio", "trust_radius"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"multilevel.ode.{name} must be a positive number or null, got {value!r}")
+        if self.coherence == "first_order" and not self.line_search:
+            raise ValueError("multilevel.ode.coherence = \"first_order\" needs multilevel.ode.line_search = true: "
+                             "unguarded, the constant term can drive the coarse model along -v and the written-back "
+                             "change raise the fine loss (MG/OPT's convergence rests on that search); set "
+                             "line_search true, or coherence \"none\"")
         if self.coherence_batches > self.coarse_steps:
             raise ValueError(f"multilevel.ode.coherence_batches ({self.coherence_batches}) must not exceed "
                              f"multilevel.ode.coarse_steps ({self.coarse_steps}): it averages the coarse "
@@ -112,6 +136,9 @@ class OdeConfig:
                 specs.append(PhaseSpec(0, self.post_steps, self.fine_lr, "post", c))
         if self.final_steps or specs[-1].level == 1:
             specs.append(PhaseSpec(0, self.final_steps, self.final_lr or self.fine_lr, "final"))
+        first = next((i for i, spec in enumerate(specs) if spec.steps), None)
+        if self.first_lr is not None and first is not None:
+            specs[first] = specs[first]._replace(lr=self.first_lr)
         return specs
 
     def parity(self, cycle: int) -> int:

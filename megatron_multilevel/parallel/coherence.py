@@ -10,7 +10,7 @@ full tensors beside the checkpoints of the coarse phase, so that a resume at ano
 
 import functools
 import os
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,65 @@ def step_gradients(module: torch.nn.Module, micro_loss: Callable[[int], torch.Te
         dist.all_reduce(g, group=group)
         g.div_(size)
     return total
+
+
+def global_dots(pairs: Sequence[tuple[dict, dict]], cfg: ModelConfig) -> list[float]:
+    """``<a, b>`` over the whole model for each pair of per-parameter tensors held as this rank's
+    tensor-parallel shards of the current layout (whole over data-parallel ranks): a partitioned
+    tensor's products summed over the TP group, a replicated one counted once (collective)."""
+    return _reduce([(k, name, t, b[name]) for k, (a, b) in enumerate(pairs) for name, t in a.items()],
+                   len(pairs), cfg)
+
+
+def _reduce(products, count: int, cfg: ModelConfig) -> list[float]:
+    """Sum the products of ``(k, name, a, b)`` items (an iterable, consumed once) into ``count``
+    global dot products."""
+    from megatron.core import parallel_state as ps
+
+    plan = parameter_plan(cfg)
+    tp = ps.get_tensor_model_parallel_world_size()
+    sums = None  # [split, whole] x count, on the tensors' device (NCCL reduces device tensors)
+    for k, name, a, b in products:
+        if sums is None:
+            sums = torch.zeros(2, count, dtype=torch.float64, device=a.device)
+        split = tp > 1 and partition_dim(plan.rule(name)[1]) is not None
+        sums[0 if split else 1, k] += torch.dot(a.double().flatten(), b.to(a.device).double().flatten())
+    assert sums is not None, "no tensors to multiply"
+    if tp > 1:
+        dist.all_reduce(sums[0], group=ps.get_tensor_model_parallel_group())
+    return sums.sum(0).tolist()
+
+
+def statistics(restricted_fine: dict[str, torch.Tensor], coarse: dict[str, torch.Tensor],
+               cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """``v = P^T grad L_fine - grad L_coarse`` and how well the coarse model models the fine one at
+    the restricted point: the global norms of the three, the cosine of the two gradients, and
+    ``rho = |v| / |P^T grad L_fine|`` (0 where both vanish; collective). ``rho`` small: the coarse
+    gradient nearly is the restricted fine one, and ``v`` a small correction; ``rho`` above 1: ``v``
+    outweighs the fine gradient it is meant to restore, cancelling the coarse model's own slope."""
+    v = {name: restricted_fine[name] - g for name, g in coarse.items()}
+    ff, cc, fc, vv = global_dots([(restricted_fine, restricted_fine), (coarse, coarse), (restricted_fine, coarse),
+                                  (v, v)], cfg)
+    fine_norm, coarse_norm, v_norm = (max(x, 0.0) ** 0.5 for x in (ff, cc, vv))
+    cosine = fc / (fine_norm * coarse_norm) if fine_norm * coarse_norm > 0 else 0.0
+    rho = v_norm / fine_norm if fine_norm > 0 else (0.0 if v_norm == 0 else float("inf"))
+    return v, {"fine_grad_norm": fine_norm, "coarse_grad_norm": coarse_norm, "v_norm": v_norm, "cosine": cosine,
+               "rho": rho}
+
+
+def installs(stats: dict[str, float], max_ratio: "float | None") -> bool:
+    """The gate: whether the term goes in, given the restriction's :func:`statistics` and
+    ``multilevel.ode.coherence_max_ratio`` (None: always)."""
+    return max_ratio is None or stats["rho"] <= max_ratio
+
+
+def parameter_dot(v: dict[str, torch.Tensor], module: torch.nn.Module, cfg: ModelConfig) -> float:
+    """``<v, theta>`` for the parameters ``theta`` of ``module`` (a coarse model in the layout ``v``
+    is held in; under ZeRO-3 each parameter gathered in turn; collective)."""
+    from megatron_multilevel.parallel.streams import Groups, ModelReader
+
+    reader = ModelReader(module, cfg, Groups.current(), local=True)
+    return _reduce(((0, name, t, reader.read_model([name])[name]) for name, t in v.items()), 1, cfg)[0]
 
 
 def _add(grad: torch.Tensor, *, v: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ from megatron_multilevel.parallel.staging import (FineSnapshot, Layout, Staged, 
 from megatron_multilevel.parallel.snapshot import Snapshot, Storage
 from megatron_multilevel.parallel.streams import Groups, ModelReader, ModelWriter
 from megatron_multilevel.parallel.tp_layout import partition_dim, shard, unshard
-from megatron_multilevel.plan import parameter_plan
+from megatron_multilevel.plan import layer_prefix, parameter_plan
 
 OptimizerState = Literal["reset", "keep", "map"]
 # How the weight scale ``s`` (``LayerSelection.weight_scale``: the residual scale when the step is
@@ -129,6 +129,45 @@ def prolong(coarse_module: torch.nn.Module, before: FineSnapshot, selection: Lay
         _map_back_stream(_reader(coarse_module, selection.coarse, coarse_groups, local, optimizer, key), kept,
                          staged.moments[key], selection, DEGREE[key])
     return staged
+
+
+def prolonged_change_norm(coarse_module: torch.nn.Module, before: FineSnapshot, selection: LayerSelection, *,
+                          fine_layout: Layout, coarse_layout: Layout, prolongation: Prolongation = "correction",
+                          coarse_groups: Optional[Groups] = None) -> float:
+    """``|P (theta_H - R theta_h)|``: the global norm, in fine units, of the change that
+    :func:`prolong` would add to ``before`` at ``correction_scale`` 1 (read-only; collective).
+    Streamed as ``prolong`` streams, one parameter at a time; shards of a tensor-parallel tensor
+    summed over the coarse group, everything else counted once."""
+    local = shard_local(fine_layout, coarse_layout)
+    groups = coarse_groups or Groups.current()
+    reader = _reader(coarse_module, selection.coarse, groups, local)
+    plan, kept = parameter_plan(selection.fine), before.params
+    sums = torch.zeros(2, dtype=torch.float64)  # [split over TP, whole]
+
+    def add(values: dict[str, torch.Tensor], prefix: str = "") -> None:
+        for name, t in values.items():
+            split = local and groups.tp_size > 1 and partition_dim(plan.rule(prefix + name)[1]) is not None
+            sums[0 if split else 1] += t.double().square().sum().cpu()
+
+    for name in reader.model_names:
+        add(coarse_change(kept.read_model([name]), reader.read_model([name]), selection, 1.0, layer=False))
+    sources = prolongation_sources(selection, prolongation)
+    for name in reader.layer_names:
+        changes = {}  # a coarse layer's change, kept only while a fine layer still needs it
+        for j, needs in enumerate(sources):
+            for i, _ in needs:
+                if i not in changes:
+                    start = restrict_layer(kept.read_layer(selection.layers[i], [name]), selection)
+                    changes[i] = coarse_change(start, reader.read_layer(i, [name]), selection, 1.0, layer=True)
+            if needs:
+                add({name: sum(changes[i][name] * w for i, w in needs)}, layer_prefix(selection.fine, j))
+            later = {i for rest in sources[j + 1:] for i, _ in rest}
+            changes = {i: c for i, c in changes.items() if i in later}
+    if local and groups.tp_size > 1:
+        split = sums[:1].to(next(coarse_module.parameters()).device)
+        dist.all_reduce(split, group=groups.tp_group)
+        sums[0] = split.item()
+    return float(sums.sum()) ** 0.5
 
 
 def carry(module: torch.nn.Module, cfg: ModelConfig, *, build_target: Callable[[], torch.nn.Module],

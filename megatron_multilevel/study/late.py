@@ -29,7 +29,7 @@ import copy
 import dataclasses
 import math
 
-from megatron_multilevel.config import load_config, match_optimizer_rate
+from megatron_multilevel.config import OdeConfig, load_config, match_optimizer_rate
 from megatron_multilevel.flops import flops_per_token
 
 LATE_INITS = {
@@ -75,7 +75,32 @@ def with_schedule(config: dict, *, decay=None, decay_fraction=None, min_ratio=No
     for lr in schedules:
         if lr is not None:
             lr.update(change)
+    ode = ml.get("ode") if ml.get("strategy") == "ode" else None
+    if ode is not None and ml.get("lr_schedule") == "continue":  # one schedule over the run: every phase's
+        for key in ("fine_lr", "coarse_lr", "final_lr", "first_lr"):
+            if ode.get(key) is not None:
+                ode[key].update(change)
+    elif ode is not None:  # the cycles keep their constant rates; the final phase takes the decay
+        _ode_final_decay(ode, change)
     return out
+
+
+def _ode_final_decay(ode: dict, change: dict) -> None:
+    """The ODE block's final phase given ``change``, its decay fraction rescaled from the run's steps
+    to the phase's (a decay over the last 20% of the run is one over that many of its final steps)."""
+    steps = {key: ode.get(key, getattr(OdeConfig, key)) for key in
+             ("cycles", "pre_steps", "coarse_steps", "post_steps", "final_steps")}
+    final = ode.get("final_lr") or dict(ode.get("fine_lr") or {})
+    final.update(change)
+    if "decay_fraction" in change and steps["final_steps"]:
+        total = steps["cycles"] * (steps["pre_steps"] + steps["coarse_steps"] + steps["post_steps"])
+        total += steps["final_steps"]
+        # the steps a from-scratch schedule of the run's length decays over (its warm-up excluded,
+        # as training.schedule.lr_factor counts them), as a share of the final phase's
+        warmup = (ode.get("first_lr") or {}).get("warmup_steps", 0)
+        decay = max(1, round(change["decay_fraction"] * max(1, total - warmup)))
+        final["decay_fraction"] = min(1.0, decay / steps["final_steps"])
+    ode["final_lr"] = final
 
 
 def with_depth_mup(config: dict, exponent=None, base_layers: int = 1) -> dict:

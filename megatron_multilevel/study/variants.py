@@ -41,7 +41,7 @@ def compress(config: dict, fraction: float) -> dict:
         for key in ("pre_steps", "coarse_steps", "post_steps", "final_steps"):
             if key in block:
                 block[key] = scaled(block[key])
-        for key in ("fine_lr", "coarse_lr", "final_lr"):
+        for key in ("fine_lr", "coarse_lr", "final_lr", "first_lr"):
             schedule(block.get(key))
         return out
     for key in ("ligo_steps", "growth_mask_steps"):  # the growth's own steps, as the phases'
@@ -375,7 +375,9 @@ def _coarse_alone(scratch: dict, steps: int, peak: float, shape: dict) -> dict:
     return out
 
 
-ODE_DEFAULTS = {"coarse": "alternate", "residual_scale": 2, "prolongation": "correction", "coherence": "first_order",
+# the coherence term off (measured: unguarded it diverges, gated it is at best the run without it);
+# asked for, it comes with the line search its convergence rests on (and the config's gate)
+ODE_DEFAULTS = {"coarse": "alternate", "residual_scale": 2, "prolongation": "correction", "coherence": "none",
                 "correction_scale": 1.0, "line_search": False, "optimizer_state": "keep", "cycles": 4}
 
 
@@ -383,6 +385,8 @@ def _ode_variant(steps: int, fine_lr: float, *, ea: float, coarse_share: float, 
                  warmup: int, ode: "dict | None", lr_schedule: str, config) -> dict:
     """The ``ode2`` method of :func:`variant_configs` (``r``: a coarse step's FLOPs over a fine one's)."""
     block = {**ODE_DEFAULTS, **(ode or {})}
+    if block["coherence"] == "first_order" and "line_search" not in (ode or {}):
+        block["line_search"] = True
     cycles = block["cycles"]
     # ea 0: no smoothing steps, so the first coarse model trains from the fresh initialisation
     # (nested iteration: the coarse level first, as the F-cycle and stacking start)
@@ -399,4 +403,6 @@ def _ode_variant(steps: int, fine_lr: float, *, ea: float, coarse_share: float, 
     coarse_lr = {**constant, "warmup_steps": warmup if smooth == 0 else 0}
     block.update(pre_steps=smooth, coarse_steps=coarse, post_steps=smooth, final_steps=final,
                  fine_lr=constant, coarse_lr=coarse_lr, final_lr={"peak": fine_lr, "warmup_steps": 0})
+    if smooth:  # the first fine phase warms up as scratch does; the later ones do not again
+        block["first_lr"] = {**constant, "warmup_steps": warmup}
     return config({"enabled": True, "strategy": "ode", "lr_schedule": lr_schedule, "ode": block})

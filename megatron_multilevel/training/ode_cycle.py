@@ -27,7 +27,8 @@ from megatron_multilevel.flops import flops_per_token, forward_flops_per_token
 from megatron_multilevel.level_maps import LayerSelection
 from megatron_multilevel.ode_operators import restrict_gradient
 from megatron_multilevel.parallel import coherence
-from megatron_multilevel.parallel.ode_transition import carry, prolong, reshard_tensors, restrict, snapshot_fine
+from megatron_multilevel.parallel.ode_transition import (carry, prolong, prolonged_change_norm, reshard_tensors, restrict,
+                                                        snapshot_fine)
 from megatron_multilevel.parallel.staging import load_moments
 from megatron_multilevel.parallel.streams import Groups
 from megatron_multilevel.parallel.zero import materialize_optimizer_state
@@ -105,18 +106,42 @@ class OdeCycle:
         state.open_levels[0] = checkpoint.tag_of(state.phase, state.step)
         del old
         engine = self._start_engine(staged, nxt)
+        what, row = f"restricted to {sel.describe()}", {}
         if fine_grad is not None:
             fine_grad = reshard_tensors(fine_grad, sel.coarse, source=fine_groups, target=Groups.current())
             coarse_grad = self._gradients(engine, 1, batches)
-            self._install(engine, {name: fine_grad[name] - g for name, g in coarse_grad.items()})
             extra += batches * flops_per_token(ctx.levels.models[1], ctx.seq) * ctx.tokens_per_step
-        return Transition(engine, f"restricted to {sel.describe()}", extra)
+            v, stats = coherence.statistics(fine_grad, coarse_grad, sel.coarse)
+            del fine_grad, coarse_grad
+            what += "; " + self._gate(engine, v, stats, nxt)
+            row["coherence"] = {**stats, "installed": state.ode["coherence"]}
+        return Transition(engine, what, extra, row=row)
+
+    def _gate(self, engine, v: dict[str, torch.Tensor], stats: dict, phase: Phase) -> str:
+        """Install ``v`` on the coarse model if it models the fine one (``rho`` at most
+        ``coherence_max_ratio``), record the measurement; the progress line's words."""
+        ctx, state, gate = self.ctx, self.ctx.state, self.ode.coherence_max_ratio
+        installed = coherence.installs(stats, gate)
+        state.ode["coherence"] = installed  # a resume of this coarse phase installs it again, or not
+        if installed:
+            self._install(engine, v)
+            state.ode["v_dot_start"] = coherence.parameter_dot(v, engine.module, self.selection(phase).coarse)
+        ctx.metrics.record("coherence", phase=phase.index, cycle=phase.cycle, global_step=state.global_step,
+                           max_ratio=gate, installed=installed, **stats)
+        words = f"coherence rho {stats['rho']:.3g}, cosine {stats['cosine']:.3f}: "
+        if installed:
+            return words + "first-order term on"
+        return words + f"above {gate:g}, the coarse loss alone this phase"
 
     def _prolong(self, coarse, phase: Phase, nxt: Phase) -> Transition:
         ctx, state, sel = self.ctx, self.ctx.state, self.selection(phase)
         scale = self.ode.correction_scale
-        trials = [scale / 2**k for k in range(MAX_HALVINGS + 1)] + [0.0] if self.ode.line_search else [scale]
         coarse_groups = Groups.current()  # each trial builds the fine model in the fine layout
+        change = self._change(coarse, sel, coarse_groups)
+        if self.ode.trust_radius is not None and change["norm"] * scale > self.ode.trust_radius:
+            scale = self.ode.trust_radius / change["norm"]
+            change["bounded"] = True
+        trials = [scale / 2**k for k in range(MAX_HALVINGS + 1)] + [0.0] if self.ode.line_search else [scale]
         self._remove_hook()
         if self.ode.optimizer_state == "map":
             self._materialized(coarse)
@@ -138,13 +163,29 @@ class OdeCycle:
         del coarse
         self.before = None
         state.open_levels.pop(0, None)
-        what = f"prolonged ({self.ode.prolongation}, change x{scale:g})"
+        ctx.metrics.record("coarse_change", phase=phase.index, cycle=phase.cycle, global_step=state.global_step,
+                           correction_scale=scale, **change)
+        what = f"prolonged ({self.ode.prolongation}, change x{scale:g}); " + _describe(change)
         if self.ode.line_search:
             reference = state.ode.pop("reference_loss")
             ctx.metrics.record("line_search", phase=nxt.index, global_step=state.global_step,
                                reference_loss=reference, losses=losses, correction_scale=scale)
             what += f"; line search: loss before {reference:.4f}, tried {[round(x, 4) for x in losses]}"
-        return Transition(engine, what, extra, row={"correction_scale": scale})
+        return Transition(engine, what, extra, row={"correction_scale": scale, "coarse_change": change})
+
+    def _change(self, coarse, sel: LayerSelection, coarse_groups: Groups) -> dict:
+        """The coarse phase's change: ``|P (theta_H_end - theta_H_start)|`` in fine units and, with the
+        coherence term installed, ``<v, theta_H_end - theta_H_start>`` (the term's part of the
+        corrected coarse objective's change; negative where the phase moved along ``-v``)."""
+        state = self.ctx.state
+        norm = prolonged_change_norm(coarse.module, self.before, sel, fine_layout=self._layout(0),
+                                     coarse_layout=self._layout(1), prolongation=self.ode.prolongation,
+                                     coarse_groups=coarse_groups)
+        v_dot = None
+        if self.hook is not None:
+            v_dot = coherence.parameter_dot(self.hook.v, coarse.module, sel.coarse) - state.ode.pop("v_dot_start")
+        state.ode.pop("coherence", None)
+        return {"norm": norm, "v_dot": v_dot, "bounded": False}
 
     def _start_engine(self, staged, phase: Phase, *, crash: bool = True):
         if crash:
@@ -251,7 +292,7 @@ class OdeCycle:
     def resume(self, phase: Phase, tag: str, engine) -> None:
         """Rebuild the coherence hook of the open coarse phase once ``engine`` is loaded from ``tag``."""
         ctx = self.ctx
-        if phase.level == 1 and self.ode.coherence == "first_order":
+        if phase.level == 1 and self.ode.coherence == "first_order" and ctx.state.ode.get("coherence", True):
             directory = os.path.join(checkpoint.checkpoint_dir(ctx.run_dir), tag)
             self._install(engine, coherence.load(directory, ctx.levels.models[1],
                                                  next(engine.module.parameters()).device))
@@ -260,3 +301,11 @@ class OdeCycle:
         """Nothing added to the steps of a phase (the coherence term hooks the optimizer at
         restriction)."""
         return None
+
+
+def _describe(change: dict) -> str:
+    """The progress line's words for a coarse phase's change."""
+    words = f"|P change| {change['norm']:.4g}"
+    if change["v_dot"] is not None:
+        words += f", <v, change> {change['v_dot']:.4g}"
+    return words + (" (bounded by multilevel.ode.trust_radius)" if change["bounded"] else "")
