@@ -305,7 +305,7 @@ def _check_coherence_vector(run, *, batches: int, explicit: bool = False) -> Non
     pytest.param("step4", 1, False, id="mid-coarse"),
     pytest.param("transition2", 1, False, id="during-prolongation", marks=pytest.mark.slow),
     pytest.param("transition4", 3, False, id="during-restriction", marks=pytest.mark.slow),
-    pytest.param("step4", 1, True, id="explicit-mid-coarse"),
+    pytest.param("step4", 1, True, id="explicit-mid-coarse", marks=pytest.mark.slow),
 ])
 def test_resume_after_kill_follows_the_same_trajectory(request, corpus, tmp_path, crash_at, resumed_phase, explicit):
     """Explicit: the resumed coarse model takes its step in the forward pass again."""
@@ -335,6 +335,7 @@ def test_the_explicit_step_starts_from_the_same_function_and_trains_otherwise(re
     _check_coherence_vector(run, batches=1, explicit=True)
 
 
+@pytest.mark.slow
 def test_at_residual_scale_1_the_parametrisations_are_one_run(corpus, tmp_path):
     """No step to fold or to take: the explicit and folded runs are the same run, loss for loss."""
     ode = {**ODE, "cycles": 1, "residual_scale": 1, "optimizer_state": "map"}
@@ -372,6 +373,7 @@ def test_sgd_resume_mid_coarse_phase(sgd_reference, corpus, tmp_path):
     _assert_same_run(run, sgd_reference["dir"], **SAME_RUN)
 
 
+@pytest.mark.slow
 def test_bert_sgd_without_momentum(corpus, tmp_path):
     ode = {**ODE, "coherence": "first_order", "line_search": True, "optimizer_state": "keep", "fine_lr": {"peak": 0.1},
            "coarse_lr": {"peak": 0.1}, "final_lr": None}
@@ -473,6 +475,7 @@ def test_coarse_tensor_parallel_change_resumes_on_the_same_trajectory(coarse_lay
     _assert_same_run(run, coarse_layout_run["dir"], **SAME_RUN)
 
 
+@pytest.mark.slow
 def test_checkpoint_tools_on_a_coarse_phase(corpus, tmp_path):
     """A run killed in its second coarse phase (the odd layers), at TP=2 with ZeRO-1: the tools say
     which fine layers the latest checkpoint holds, consolidate it, refuse to de-coalesce it, and
@@ -509,6 +512,7 @@ def test_checkpoint_tools_on_a_coarse_phase(corpus, tmp_path):
     assert [p["level"] for p in _summary(tmp_path / "tp1")["phases"]] == [0, 1, 0, 0, 1, 0, 0]
 
 
+@pytest.mark.slow
 def test_checkpoint_tools_on_an_explicit_coarse_phase(explicit_reference, tmp_path):
     """The explicit coarse model's checkpoint (the fine layers' weights, the step in the forward
     pass): the tools say so, consolidate it, export it to transformers and start a plain 2-layer run

@@ -128,7 +128,7 @@ def test_w_cycle(w_reference):
 
 
 @pytest.mark.parametrize("crash_at", [
-    pytest.param("step14", id="second-coarse-visit"),
+    pytest.param("step14", id="second-coarse-visit", marks=pytest.mark.slow),
     pytest.param("transition4", id="during-last-prolong", marks=pytest.mark.slow),
 ])
 def test_w_cycle_resume_after_kill(w_reference, corpus, tmp_path, crash_at):
@@ -293,6 +293,7 @@ def test_two_nodes_on_localhost(reference, corpus, tmp_path):
     assert_close_to_reference(tmp_path / "run", reference, abs=2e-4)
 
 
+@pytest.mark.slow  # a fresh cache: the embedded corpus and its tokenizer prepared anew (about 6 minutes)
 def test_default_command_runs_the_embedded_corpus(tmp_path):
     """The README's main job (shortened): no config, the embedded default corpus."""
     # preparing the corpus (a tokenizer trained on it) takes most of the time: 5-10 minutes on 2 slow cores
