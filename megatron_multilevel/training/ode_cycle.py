@@ -182,7 +182,7 @@ class OdeCycle:
                                      coarse_layout=self._layout(1), prolongation=self.ode.prolongation,
                                      coarse_groups=coarse_groups)
         v_dot = None
-        if self.hook is not None:
+        if self.hook is not None and "v_dot_start" in state.ode:  # absent from checkpoints of older code
             v_dot = coherence.parameter_dot(self.hook.v, coarse.module, sel.coarse) - state.ode.pop("v_dot_start")
         state.ode.pop("coherence", None)
         return {"norm": norm, "v_dot": v_dot, "bounded": False}
