@@ -112,7 +112,7 @@ class OdeConfig:
             check_positive(f"multilevel.ode.{name}", getattr(self, name))
         for name in ("coherence_max_ratio", "trust_radius"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            if value is not None and value <= 0:  # a number or null: the parser checked its type
                 raise ValueError(f"multilevel.ode.{name} must be a positive number or null, got {value!r}")
         if self.coherence == "first_order" and not self.line_search:
             raise ValueError("multilevel.ode.coherence = \"first_order\" needs multilevel.ode.line_search = true: "

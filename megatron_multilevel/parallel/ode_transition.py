@@ -151,18 +151,10 @@ def prolonged_change_norm(coarse_module: torch.nn.Module, before: FineSnapshot, 
 
     for name in reader.model_names:
         add(coarse_change(kept.read_model([name]), reader.read_model([name]), selection, 1.0, layer=False))
-    sources = prolongation_sources(selection, prolongation)
     for name in reader.layer_names:
-        changes = {}  # a coarse layer's change, kept only while a fine layer still needs it
-        for j, needs in enumerate(sources):
-            for i, _ in needs:
-                if i not in changes:
-                    start = restrict_layer(kept.read_layer(selection.layers[i], [name]), selection)
-                    changes[i] = coarse_change(start, reader.read_layer(i, [name]), selection, 1.0, layer=True)
-            if needs:
-                add({name: sum(changes[i][name] * w for i, w in needs)}, layer_prefix(selection.fine, j))
-            later = {i for rest in sources[j + 1:] for i, _ in rest}
-            changes = {i: c for i, c in changes.items() if i in later}
+        for j, _, received in _received_changes(reader, kept, selection, prolongation, 1.0, name):
+            if received:
+                add({name: sum(change[name] * w for change, w in received)}, layer_prefix(selection.fine, j))
     if local and groups.tp_size > 1:
         split = sums[:1].to(next(coarse_module.parameters()).device)
         dist.all_reduce(split, group=groups.tp_group)
@@ -243,21 +235,31 @@ def _prolong_stream(coarse_reader, before, writer, selection: LayerSelection, pr
         fine = before.read_model([name])
         change = coarse_change(fine, coarse_reader.read_model([name]), selection, correction_scale, layer=False)
         writer.write_model(add_change(fine, [(change, 1.0)]))
-    sources = prolongation_sources(selection, prolongation)
     for name in coarse_reader.layer_names:
-        changes, fine_of = {}, {}
-        for j, needs in enumerate(sources):
-            for i, _ in needs:
-                if i not in changes:
-                    k = selection.layers[i]
-                    fine_of[k] = before.read_layer(k, [name])
-                    start = restrict_layer(fine_of[k], selection)
-                    changes[i] = coarse_change(start, coarse_reader.read_layer(i, [name]), selection,
-                                               correction_scale, layer=True)
-            fine = fine_of.pop(j) if j in fine_of else before.read_layer(j, [name])
-            writer.write_layer(j, add_change(fine, [(changes[i], w) for i, w in needs]))
-            later = {i for rest in sources[j + 1:] for i, _ in rest}
-            changes = {i: c for i, c in changes.items() if i in later}
+        for j, fine, received in _received_changes(coarse_reader, before, selection, prolongation, correction_scale,
+                                                   name):
+            writer.write_layer(j, add_change(before.read_layer(j, [name]) if fine is None else fine, received))
+
+
+def _received_changes(coarse_reader, before, selection: LayerSelection, prolongation: Prolongation,
+                      correction_scale: float, name: str):
+    """For the layer parameter ``name``, fine layer by fine layer: ``(j, fine, received)``, where
+    ``received`` is the ``(change, weight)`` of every coarse layer whose change fine layer ``j``
+    receives, and ``fine`` its value in ``before`` where that was read to restrict a coarse layer's
+    start (None otherwise). A coarse layer's change is kept only while a fine layer still needs it."""
+    sources = prolongation_sources(selection, prolongation)
+    changes, fine_of = {}, {}
+    for j, needs in enumerate(sources):
+        for i, _ in needs:
+            if i not in changes:
+                k = selection.layers[i]
+                fine_of[k] = before.read_layer(k, [name])
+                start = restrict_layer(fine_of[k], selection)
+                changes[i] = coarse_change(start, coarse_reader.read_layer(i, [name]), selection, correction_scale,
+                                           layer=True)
+        yield j, fine_of.pop(j, None), [(changes[i], w) for i, w in needs]
+        later = {i for rest in sources[j + 1:] for i, _ in rest}
+        changes = {i: c for i, c in changes.items() if i in later}
 
 
 def _map_back_stream(coarse_reader, kept, writer, selection: LayerSelection, degree: int) -> None:
