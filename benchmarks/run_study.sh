@@ -19,6 +19,8 @@
 # leaves a small JSON file in benchmarks/<point>/runs/ (commit them); a later call skips those and
 # runs only what is missing, then remakes benchmarks/<point>/results.{json,md} and the plots.
 # Killed in the middle, a run resumes from its last checkpoint (run directories: runs/study/).
+# A point with its own data has a script benchmarks/<point>/prepare (called with the worktree and
+# the Python to use), which prepares it under the data cache once, before the point's first run.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python_bin="${PYTHON:-python}"
@@ -109,6 +111,9 @@ for point in "${points[@]}"; do
   worktree_of "$commit"
   echo "== $point (code of $commit)"
   read_point "$point"
+  if [[ -f "$root/benchmarks/$point/prepare" ]]; then  # the point's own data, prepared once by its pin's tools
+    bash "$root/benchmarks/$point/prepare" "$work" "$python_bin"
+  fi
   [[ -z "$max_seeds" || $max_seeds -ge $seeds ]] || seeds=$max_seeds
   # seed by seed, every method at every fraction: a study stopped early has whole seeds
   for ((s = 0; s < seeds; s++)); do
