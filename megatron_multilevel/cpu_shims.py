@@ -1,15 +1,17 @@
 """Make Megatron-Core run on a machine without CUDA.
 
-Megatron-Core (0.16 and 0.19 alike) hard-codes CUDA in three places that a CPU run reaches:
+Megatron-Core (0.16 and 0.19 alike) hard-codes CUDA in four places that a CPU run reaches:
 1. ``torch.cuda.current_device()`` is the ``device=`` of about twenty allocations
    (attention's global memory buffer, TP mappings, layers, GPTModel);
 2. its RNG tracker (forked by attention even with dropout 0) reads and writes the CUDA
    generator through ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` and
    ``torch.cuda.manual_seed``;
-3. ``get_default_causal_mask`` builds its mask on ``"cuda"`` when no mask is passed.
+3. ``get_default_causal_mask`` builds its mask on ``"cuda"`` when no mask is passed;
+4. ``dist_checkpointing.save`` waits for the device (``torch.cuda.synchronize``) after copying
+   tensors to the host, which on a CPU has nothing to wait for.
 
 Each is redirected to the CPU, only when CUDA is absent, so that a GPU run is untouched.
-No library offers this; the patch is kept to exactly these three points.
+No library offers this; the patch is kept to exactly these four points.
 """
 
 import functools
@@ -54,6 +56,9 @@ def apply_cpu_shims() -> bool:
 
     transformer_utils.get_default_causal_mask = causal_mask
     fused_softmax.get_default_causal_mask = causal_mask
+
+    # 4. No device to wait for.
+    torch.cuda.synchronize = lambda device=None: None
 
     _applied = True
     return True

@@ -114,6 +114,12 @@ def fold_branch_multiplier(state_dict: Mapping[str, torch.Tensor], cfg: ModelCon
     return _every_layer_times(state_dict, cfg, cfg.num_layers, float(cfg.branch_multiplier), "model")
 
 
+def unfold_branch_multiplier(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -> StateDict:
+    """The inverse of :func:`fold_branch_multiplier`: the parameters of a depth-muP model of ``cfg``
+    that computes what the plain model of ``state_dict`` computes (a copy without depth-muP)."""
+    return _every_layer_times(state_dict, cfg, cfg.num_layers, 1.0 / float(cfg.branch_multiplier), "model")
+
+
 def _every_layer_times(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, num_layers: int, factor: float,
                        role: str) -> StateDict:
     """A copy of a full state dict of ``num_layers`` layers of ``cfg``'s architecture with every

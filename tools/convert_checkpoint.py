@@ -8,9 +8,13 @@
     python tools/convert_checkpoint.py to-hf out/gpt_full out/gpt_hf                 # GPT2LMHeadModel / MegatronBertForMaskedLM + tokenizer
     python tools/convert_checkpoint.py from-hf path/to/hf_model out/from_hf          # its tokenizer files kept beside
     python tools/convert_checkpoint.py init-run out/from_hf runs/mine --config mine.json   # a run that starts from it
+    python tools/convert_checkpoint.py to-megatron runs/gpt out/gpt_mcore            # Megatron-Core torch_dist (Megatron-LM's layout)
+    python tools/convert_checkpoint.py from-megatron path/to/megatron/save out/full [--config mine.json]
+    python tools/convert_checkpoint.py init-run path/to/megatron/save runs/mine --config mine.json  # weights and Adam state
 
-A source is a run directory (its latest checkpoint), one checkpoint tag directory, or a
-consolidated checkpoint. DeepSpeed files are read with an allowlist of the classes they hold
+A source is a run directory (its latest checkpoint), one checkpoint tag directory, a
+consolidated checkpoint, or a Megatron-Core torch_dist checkpoint (a Megatron-LM save directory,
+whose latest iteration is read, or one iteration's directory; any tensor-parallel layout). DeepSpeed files are read with an allowlist of the classes they hold
 (``weights_only``): a file that asks for anything else is refused, and nothing in it runs.
 Consolidated checkpoints carry the run's tokenizer, and ``to-hf`` writes it as Hugging Face
 tokenizer files (``--tokenizer`` names another), then checks that ``transformers`` alone continues
@@ -74,10 +78,23 @@ def parse_args(argv=None):
     c.add_argument("--tokenizer", default=None,
                    help="a SentencePiece model or Hugging Face tokenizer directory (default: the one the source records)")
     c = command("init-run", "a checkpoint -> a run directory whose training starts from it")
-    c.add_argument("--config", required=True, help="the run config (its model block must match the checkpoint)")
+    c.add_argument("--config", required=True, help="the run config (the model of its first phase's level must match "
+                                                   "the checkpoint's)")
     num_gpus(c, "the ranks the run will train on (default: its first level's TP size); ZeRO partitions follow it")
+    c.add_argument("--fresh-optimizer", "--fresh_optimizer", action="store_true",
+                   help="start with a fresh optimizer even where the source (torch_dist) has an optimizer state")
+    c = command("to-megatron", "-> a Megatron-Core torch_dist checkpoint (Megatron-LM's save layout), optimizer included")
+    c.add_argument("--iteration", type=int, default=None, help="its iteration number (default: the source's global step)")
+    c.add_argument("--no-optimizer", "--no_optimizer", dest="optimizer", action="store_false",
+                   help="the weights only")
+    c.add_argument("--tokenizer", default=None, help="the tokenizer to keep beside it (default: the source's)")
+    c = command("from-megatron", "a Megatron-Core torch_dist checkpoint (any layout) -> a consolidated checkpoint")
+    fmt(c)
+    c.add_argument("--config", default=None,
+                   help="a run config whose model block describes it (default: the config the checkpoint records)")
     fmt(command("from-hf", "a Hugging Face transformers checkpoint -> a consolidated checkpoint"))
-    return p.parse_args([a.replace("_", "-") if a in ("to_full", "to_hf", "from_hf", "init_run") else a for a in (argv or sys.argv[1:])])
+    commands = ("to_full", "to_hf", "from_hf", "init_run", "to_megatron", "from_megatron")
+    return p.parse_args([a.replace("_", "-") if a in commands else a for a in (argv or sys.argv[1:])])
 
 
 STEPS = {
@@ -135,7 +152,19 @@ def main(argv=None) -> int:
         elif args.command == "init-run":
             from megatron_multilevel.checkpoints.init_run import init_run
 
-            init_run(args.source, args.config, args.output, num_gpus=args.num_gpus, overwrite=args.overwrite)
+            init_run(args.source, args.config, args.output, num_gpus=args.num_gpus, overwrite=args.overwrite,
+                     fresh_optimizer=args.fresh_optimizer)
+        elif args.command in ("to-megatron", "from-megatron"):
+            from megatron_multilevel.checkpoints import megatron_convert
+
+            prepare_checks()
+            if args.command == "to-megatron":
+                megatron_convert.to_megatron(args.source, args.output, overwrite=args.overwrite,
+                                             iteration=args.iteration, optimizer=args.optimizer,
+                                             tokenizer=args.tokenizer)
+            else:
+                megatron_convert.from_megatron(args.source, args.output, config=args.config, fmt=args.format,
+                                               overwrite=args.overwrite)
         else:
             prepare_checks()
             convert.from_hf(args.source, args.output, fmt=args.format, overwrite=args.overwrite)

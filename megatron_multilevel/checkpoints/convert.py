@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from megatron_multilevel.checkpoints import verify
+from megatron_multilevel.checkpoints import megatron_dist, verify
 from megatron_multilevel.checkpoints.deepspeed_reader import merge_tensor_parallel, open_checkpoint, rank_state_dicts
 from megatron_multilevel.checkpoints.full import is_full, load_full, prepare_output, save_full
 from megatron_multilevel.checkpoints.hf import (
@@ -39,6 +39,8 @@ class Source:
     description: dict
     rank_shards: Optional[list] = None  # per tensor-parallel rank, for a DeepSpeed source
     tokenizer: Optional[str] = None  # the tokenizer of its token ids, where one is known
+    moments: dict = dataclasses.field(default_factory=dict)  # a torch_dist source's optimizer state
+    optimizer_step: Optional[int] = None  # and its step count
 
     @property
     def selection(self) -> Optional[LayerSelection]:
@@ -75,9 +77,22 @@ def run_tokenizer(config: dict, run_dir: Optional[str] = None) -> Optional[str]:
     return os.path.abspath(path) if os.path.exists(path) else None
 
 
-def load_source(path: str) -> Source:
+def load_source(path: str, model: Optional[ModelConfig] = None) -> Source:
+    """The checkpoint at ``path``: a consolidated one, a DeepSpeed run or tag directory of this
+    project, or a Megatron-Core ``torch_dist`` checkpoint (read as a model of ``model``, by
+    default the config it records)."""
     if not os.path.exists(path):
         raise ValueError(f"source {path!r} does not exist")
+    if megatron_dist.is_torch_dist(path):
+        ckpt = megatron_dist.read(path, model)
+        for note in ckpt.notes:
+            print(f"{path}: {note}")
+        root = path if os.path.isfile(os.path.join(path, megatron_dist.LATEST_FILE)) else os.path.dirname(path)
+        tokenizer = next((os.path.join(root, t) for t in ("tokenizer.model", "tokenizer")
+                          if os.path.exists(os.path.join(root, t))), None)
+        return Source(ckpt.tensors, ckpt.model, 0, [], {"kind": "megatron torch_dist", "path": os.path.abspath(path),
+                                                      "iteration": ckpt.iteration},
+                      tokenizer=tokenizer, moments=ckpt.moments, optimizer_step=ckpt.step)
     if is_full(path):
         tensors, model, meta = load_full(path)
         ode = {k: meta["source"][k] for k in ("strategy", "selection") if meta.get("source", {}).get(k)}
