@@ -139,6 +139,7 @@ def main(argv=None) -> int:
     from megatron_multilevel.training.run_lock import hold_run_directory
     from megatron_multilevel.training.stop import STOPPED_STATUS, Stopped, StopRequest, die_with_parent
     from megatron_multilevel.training.trainer import Trainer, TrainingError
+    from megatron_multilevel.training.transition_check import TransitionJump
 
     if "LOCAL_RANK" in os.environ:  # started by a launcher: no rank outlives it
         die_with_parent()
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
             print(e, flush=True)
         shutdown_distributed()
         return STOPPED_STATUS
-    except (ValueError, TrainingError, CheckpointError) as e:
+    except (ValueError, TrainingError, CheckpointError, TransitionJump) as e:
         print(f"error: {e}", file=sys.stderr)
         shutdown_distributed()
         return 1

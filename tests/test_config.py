@@ -59,7 +59,8 @@ ACCEPTED = {
     ],
     TrainingConfig: [
         "eval_batches", "eval_interval", "keep_checkpoints", "log_interval", "lr", "output_dir",
-        "save_interval", "seed", "stop_grace_seconds", "train_steps",
+        "save_interval", "seed", "stop_grace_seconds", "train_steps", "transition_check",
+        "transition_check_steps", "transition_check_tolerance",
     ],
     ParallelConfig: ["sequence_parallel", "tensor_model_parallel_size"],
 }
@@ -395,6 +396,10 @@ def test_random_growth_and_zero_moments_are_accepted():
     ("gradient_clipping=-1", "gradient_clipping must be a number >= 0 (0: no clipping), got -1"),
     ("model.init_method_std=0", "model.init_method_std must be positive, got 0"),
     ("training.stop_grace_seconds=-5", "training.stop_grace_seconds must be >= 0 (0: no limit), got -5"),
+    ("training.transition_check=loud", "training.transition_check: invalid value 'loud'; valid choices are "
+                                       "['error', 'warn', 'off']"),
+    ("training.transition_check_tolerance=0", "training.transition_check_tolerance must be a number > 0, got 0"),
+    ("training.transition_check_steps=0", "training.transition_check_steps"),
 ])
 def test_values_no_run_can_take_are_one_line_naming_the_key(override, says):
     """NaN, infinities and values out of range, as overrides give them: refused while the config is

@@ -79,11 +79,27 @@ class TrainingConfig:
     complete checkpoint kept (set it below the scheduler's grace period, e.g. SLURM's KillWait).
     0: no limit of its own."""
 
+    transition_check: Literal["error", "warn", "off"] = "error"
+    """At every transition, the loss on one fixed held-out batch (the validation split's first
+    global batch) just before, just after and after ``transition_check_steps`` steps: in the metrics
+    (``transition`` records), the next phase's summary row and one progress line
+    (``training/transition_check.py``). A transition that preserves the function (a growth whose
+    model computes the smaller one) and moves that loss by more than ``transition_check_tolerance``
+    stops the run with one line (``error``) or says so (``warn``); ``off``: no check."""
+    transition_check_steps: int = 10
+    """The steps after a transition at which the check batch's loss is measured again."""
+    transition_check_tolerance: float = 1e-3
+    """The largest move (nats) of a function-preserving transition's check loss: float rounding
+    in fp32 is orders of magnitude below it; bf16 runs may need about 1e-2."""
+
     def __post_init__(self):
-        for name in ("train_steps", "log_interval", "eval_interval", "eval_batches"):
+        for name in ("train_steps", "log_interval", "eval_interval", "eval_batches", "transition_check_steps"):
             check_positive(f"training.{name}", getattr(self, name))
         if not self.stop_grace_seconds >= 0:
             raise ValueError(f"training.stop_grace_seconds must be >= 0 (0: no limit), got {self.stop_grace_seconds}")
+        if isinstance(self.transition_check_tolerance, bool) or not self.transition_check_tolerance > 0:
+            raise ValueError(f"training.transition_check_tolerance must be a number > 0, got "
+                             f"{self.transition_check_tolerance!r}")
         if self.save_interval < 0 or self.keep_checkpoints < 1:
             raise ValueError("training.save_interval must be >= 0 and training.keep_checkpoints >= 1")
 

@@ -33,6 +33,7 @@ from megatron_multilevel.training.metrics import Metrics
 from megatron_multilevel.training.ode_cycle import OdeCycle
 from megatron_multilevel.training.schedule import Phase, build_phases, schedule_signature
 from megatron_multilevel.training.stop import Stopped, StopRequest
+from megatron_multilevel.training.transition_check import TransitionCheck
 
 
 class TrainingError(RuntimeError):
@@ -57,6 +58,8 @@ class Trainer:
         """The tag of the checkpoint last saved or resumed from."""
         ml = cfg.multilevel
         self.cycle = OdeCycle(self.ctx) if ml.enabled and ml.strategy == "ode" else CoalesceCycle(self.ctx)
+        self.check = TransitionCheck(cfg, self._evaluate, lambda *a, **k: self.ctx.metrics.record(*a, **k),
+                                     lambda line: self.ctx.metrics.say(line))
 
     # ---------------------------------------------------------------- setup and resume
     def _level_maps(self, sidecar: "dict | None") -> list[LevelMap]:
@@ -112,7 +115,7 @@ class Trainer:
             state = RunState()
             phase = self.phases[0]
             self.engine = self.ctx.engine(self.levels.build_initial_model(phase.level), phase)
-            self.ctx.metrics = Metrics(self.ctx.run_dir, enabled=self.rank == 0)
+            self.ctx.metrics = Metrics(self.ctx.run_dir, enabled=self.rank == 0, monitors=self.cfg.monitors())
             if self.rank == 0:
                 with open(os.path.join(self.ctx.run_dir, "config.json"), "w") as f:
                     json.dump(config_to_dict(self.cfg), f, indent=1)
@@ -121,7 +124,7 @@ class Trainer:
         state = checkpoint.state_of(sidecar)
         self.ctx.state = state
         self.ctx.metrics = Metrics(self.ctx.run_dir, enabled=self.rank == 0, resume_global_step=state.global_step,
-                                   resume_phase=state.phase)
+                                   resume_phase=state.phase, monitors=self.cfg.monitors())
         self.ctx.metrics.say(f"resuming from {tag} (phase {state.phase + 1}/{len(self.phases)}, step {state.step})")
         if self.config_changes:
             self.ctx.metrics.say(f"config changed from global step {state.global_step} on (--allow-config-change): "
@@ -159,13 +162,15 @@ class Trainer:
         return value
 
     @torch.no_grad()
-    def _evaluate(self, level: int) -> float:
+    def _evaluate(self, level: int, batches: "int | None" = None) -> float:
+        """The held-out loss of the current model over the validation split's first ``batches``
+        global batches (default ``training.eval_batches``; collective)."""
         from megatron.core import parallel_state
 
         t0 = time.perf_counter()
         self.engine.eval()
         total = torch.zeros(2, dtype=torch.float64, device=device())
-        for b in range(self.cfg.training.eval_batches):
+        for b in range(batches or self.cfg.training.eval_batches):
             for micro in range(self.levels.accumulation):
                 batch = self.ctx.batch(self.ctx.data.valid, level, b, micro)
                 count = batch.loss_mask.sum()
@@ -229,6 +234,10 @@ class Trainer:
             c["tokens"] += self.ctx.tokens_per_step
             c["flops"] += step_flops
             checkpoint.crash_point(f"step{state.global_step}")
+            if self.check.due(phase, self._phase_row(phase), state.step):
+                if hook is not None:  # the model the next step trains
+                    hook.at(state.step)
+                self.check.settled(phase, self._phase_row(phase), state.step, state.global_step)
             window.append(loss)
             timed += 1
             if state.step % t.log_interval == 0 or state.step == phase.steps:
@@ -303,6 +312,7 @@ class Trainer:
     def _transition(self, phase: Phase, nxt: Phase, end_tag: str) -> None:
         """Move to ``nxt``'s level through the run's cycle, and count the transition's seconds (and
         the extra FLOPs it spent) against ``nxt``."""
+        checked = self.check.before(phase, nxt)  # the model of ``phase`` still in place
         t0 = time.perf_counter()
         done = self.cycle.transition(self._release_engine, phase, nxt, end_tag)
         self.engine = done.engine
@@ -310,7 +320,7 @@ class Trainer:
         self.ctx.state.counters["transition_seconds"] += seconds
         row = self._phase_row(nxt)
         row["transition_seconds"] += seconds
-        row.update(done.row)
+        row.update(done.row, **checked)
         if done.extra_flops:
             self.ctx.state.counters["flops"] += done.extra_flops
             row["flops"] += done.extra_flops
@@ -350,6 +360,8 @@ class Trainer:
                 hook = self.cycle.phase_hook(phase, self.engine.module)
                 if hook is not None:
                     hook.at(state.step)
+                if state.step == 0:
+                    self.check.arrived(phase, row, state.global_step)
                 if state.step == 0 and phase.arrival in ("decoalesce", "grow", "prolong"):
                     self._record_valid(phase, self._evaluate(phase.level))
                 self._train_phase(phase, hook)
