@@ -18,6 +18,9 @@
 # second signal exits at once (the last complete checkpoint kept); training.stop_grace_seconds bounds
 # the clean stop. A run holds <output_dir>/run.lock: a second run on the same directory is refused.
 #
+# --wandb-project NAME [--wandb-group GROUP]: the metrics to Weights & Biases too (the config's DeepSpeed
+# "wandb" block; WANDB_MODE=offline works offline); "csv_monitor" in the config adds CSV files.
+#
 # Launcher options go to the DeepSpeed launcher as DeepSpeed users expect:
 #   --num_gpus N (alias --num_procs N: processes per node; on CPU one process by default)
 #   --num_nodes N, --hostfile FILE, --master_addr ADDR, --master_port PORT,
@@ -57,7 +60,11 @@ while [[ $# -gt 0 ]]; do
     --launcher-log-level) launcher_log_level="$2"; shift 2 ;;
     --launcher-log-level=*) launcher_log_level="${1#*=}"; shift ;;
     --with-baseline|--no-baseline|--no-control|--allow-config-change) module_args+=("$1"); shift ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    --wandb-project) overrides+=("wandb.enabled=true" "wandb.project=$2"); shift 2 ;;
+    --wandb-project=*) overrides+=("wandb.enabled=true" "wandb.project=${1#*=}"); shift ;;
+    --wandb-group) overrides+=("wandb.group=$2"); shift 2 ;;
+    --wandb-group=*) overrides+=("wandb.group=${1#*=}"); shift ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     -*) echo "pretrain_vcycle.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *.json)
       if [[ -n "$config" ]]; then echo "pretrain_vcycle.sh: two configs given: $config and $1" >&2; exit 2; fi

@@ -26,6 +26,9 @@ DEEPSPEED_KEYS = frozenset(
     }
 )
 ZERO_STAGES = (0, 1, 2, 3)
+# DeepSpeed's monitors: the run's, fed its own records (``training/metrics.py``), not an engine's
+# (each level's engine would start its own W&B run and log its own sample counts)
+MONITOR_KEYS = ("tensorboard", "wandb", "csv_monitor", "comet")
 
 # The optimizer state the transitions keep or map, by DeepSpeed optimizer type (lower case).
 OPTIMIZER_STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"),

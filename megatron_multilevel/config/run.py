@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from megatron_multilevel.config.data import DataConfig
 from megatron_multilevel.config.deepspeed import (
     DEEPSPEED_KEYS,
+    MONITOR_KEYS,
     OPTIMIZER_STATE_KEYS,
     STATE_OPTIMIZERS,
     check_batch_and_zero,
@@ -294,7 +295,13 @@ class RunConfig:
             overrides = ml.levels[level].deepspeed
         elif ml.enabled and level == 1:
             overrides = ml.ode.coarse_deepspeed
-        return deep_merge(self.deepspeed, overrides)
+        merged = deep_merge(self.deepspeed, overrides)
+        return {k: v for k, v in merged.items() if k not in MONITOR_KEYS}  # the run's monitors (metrics.py)
+
+    def monitors(self) -> dict:
+        """The DeepSpeed monitor blocks of the config (``tensorboard``, ``wandb``, ``csv_monitor``,
+        ``comet``): what the run's metrics also go to."""
+        return {k: v for k, v in self.deepspeed.items() if k in MONITOR_KEYS}
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ``ValueError``, naming the key, if a level's tensor-parallel size does not divide
