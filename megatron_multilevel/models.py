@@ -46,6 +46,14 @@ def use_transformer_engine(cfg: ModelConfig) -> bool:
     return transformer_engine_available()
 
 
+def check_fp8(cfg: ModelConfig) -> None:
+    """``model.fp8`` needs the Transformer Engine layers (on a GPU): else a ``ValueError`` naming it."""
+    if cfg.fp8 is not None and not use_transformer_engine(cfg):
+        raise ValueError(f"model.fp8 = {cfg.fp8!r} needs the Transformer Engine layers on a GPU (transformer_impl "
+                         f"'auto' or 'transformer_engine' with transformer_engine installed and CUDA); here the "
+                         f"valid choice is null")
+
+
 def transformer_config(
     cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32, perform_initialization: bool = True,
     sequence_parallel: bool = False,
@@ -87,6 +95,9 @@ def transformer_config(
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        # on the Transformer Engine layers only (check_fp8 refuses it otherwise before a run; a tool
+        # building a model to read or convert weights on a CPU builds it without)
+        fp8=cfg.fp8 if cfg.fp8 is not None and use_transformer_engine(cfg) else None,
     )
 
 

@@ -119,6 +119,9 @@ def main(argv=None) -> int:
         warnings.formatwarning = one_line_warning
     try:
         cfg = load_config(apply_overrides(read_json(args.config), args.overrides))
+        from megatron_multilevel.models import check_fp8
+
+        check_fp8(cfg.model)
         baseline = baseline_config(cfg) if wants_baseline(args, cfg) else None
         control = control_config(cfg, baseline) if baseline is not None and args.control else None
     except ValueError as e:

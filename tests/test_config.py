@@ -32,7 +32,7 @@ ACCEPTED = {
         "layernorm_epsilon", "max_sequence_length", "normalization", "num_attention_heads",
         "num_layers", "num_query_groups", "num_tokentypes", "position_embedding_type",
         "depth_mup_base_layers", "depth_mup_exponent", "rotary_base", "share_embeddings_and_output_weights",
-        "transformer_impl", "vocab_size",
+        "transformer_impl", "vocab_size", "fp8",
     ],
     MultilevelConfig: [
         "alpha", "coalesce_depth", "coalesce_width", "depth_pairing", "depth_scaling", "enabled",

@@ -52,6 +52,12 @@ def test_a_bad_config_stops_the_launcher_before_deepspeed(tmp_path):
                                   "did you mean 'hidden_size'?")
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine without a GPU refuses FP8")
+def test_fp8_without_transformer_engine_stops_the_launcher_before_deepspeed():
+    result = run_launcher(TINY, "model.fp8=hybrid")
+    assert_one_line_before_launch(result, "error: model.fp8 = 'hybrid' needs the Transformer Engine layers on a GPU")
+
+
 def test_a_bad_override_stops_the_launcher_before_deepspeed():
     result = run_launcher(TINY, "training.train_steps=many")
     assert_one_line_before_launch(result, "error: config.training.train_steps: expected an integer, got 'many'")

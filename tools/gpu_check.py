@@ -9,7 +9,10 @@
    model, which computes the same function) in fp32 and bf16;
 4. a short 2-level GPT V-cycle at GPT-Base shape (12 layers, hidden 768, 12 heads, sequences of
    1024) in bf16 through the launcher, with the Transformer Engine layer spec where installed:
-   tokens/s and model FLOPs utilisation per level, transition seconds, peak memory.
+   tokens/s and model FLOPs utilisation per level, transition seconds, peak memory;
+5. with Transformer Engine: the same V-cycle in FP8 (``model.fp8 = "hybrid"``, each new level's FP8
+   scaling state fresh): it trains to the end with finite losses, and each transition's jump on the
+   check batch (``training/transition_check.py``) is printed beside the bf16 run's.
 """
 
 import argparse
@@ -156,6 +159,12 @@ def vcycle(model: dict, out_dir: str, dry_run: bool, peak_tflops: float) -> dict
     return {"phases": rows, "seconds": time.time() - t0, "final_valid_loss": summary["totals"]["final_valid_loss"]}
 
 
+def transition_jumps(out_dir: str) -> list[float]:
+    from megatron_multilevel.records import read_metrics
+
+    return [r["jump"] for r in read_metrics(out_dir) if r["type"] == "transition"]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", "--dry_run", action="store_true", help="small shapes on the CPU, no GPU needed")
@@ -184,7 +193,19 @@ def main(argv=None) -> int:
         memory = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
         say(f"| {r['phase']} | {r['level']} | {r['shape']} | {r['tokens_per_s']:.0f} | {r['tflops']:.1f} "
             f"| {100 * r['mfu']:.1f}% | {r['transition_seconds']:.2f} | {memory} |")
-    report = {"environment": env, "logit_differences": diffs, "vcycle": run, "seconds": time.time() - started}
+    report = {"environment": env, "logit_differences": diffs, "vcycle": run}
+    bf16_jumps = transition_jumps(os.path.join(args.out, "vcycle"))
+    if env["transformer_engine"] and not args.dry_run:
+        fp8 = vcycle({**model, "fp8": "hybrid"}, os.path.join(args.out, "vcycle_fp8"), False, args.peak_tflops)
+        fp8_jumps = transition_jumps(os.path.join(args.out, "vcycle_fp8"))
+        say(f"fp8 (hybrid) V-cycle: final validation loss {fp8['final_valid_loss']:.4f} (bf16 "
+            f"{run['final_valid_loss']:.4f}); transition jumps on the check batch fp8 "
+            f"{', '.join(f'{j:+.3g}' for j in fp8_jumps)}, bf16 {', '.join(f'{j:+.3g}' for j in bf16_jumps)}")
+        failed = failed or not all(map(lambda v: v == v and abs(v) < 1e9, [fp8["final_valid_loss"], *fp8_jumps]))
+        report["vcycle_fp8"] = {**fp8, "jumps": fp8_jumps, "bf16_jumps": bf16_jumps}
+    else:
+        say("fp8: skipped (it needs Transformer Engine on a GPU)")
+    report["seconds"] = time.time() - started
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1)
     say(f"gpu check {'failed' if failed else 'done'} in {report['seconds']:.0f} s; report in {args.out}/gpu_check.json")

@@ -123,6 +123,8 @@ def megatron_flags(cfg: ModelConfig) -> list[str]:
         flags.append("--disable-bias-linear")
     if not cfg.share_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
+    if cfg.fp8 is not None:
+        flags.append(f"--fp8-format {cfg.fp8}")
     if cfg.position_embedding_type == "rope":
         flags.append(f"--rotary-base {cfg.rotary_base}")
     return flags
@@ -213,7 +215,7 @@ def _config_of(root: str, directory: str, keys) -> Optional[ModelConfig]:
         share_embeddings_and_output_weights=not a.get("untie_embeddings_and_output_weights", False),
         normalization=a.get("normalization", "LayerNorm"), activation="swiglu" if a.get("swiglu") else "gelu",
         add_bias_linear=a.get("add_bias_linear", True), layernorm_epsilon=a.get("norm_epsilon", 1e-5),
-        num_tokentypes=2 if binary else 0, add_binary_head=binary)
+        num_tokentypes=2 if binary else 0, add_binary_head=binary, fp8=a.get("fp8"))
 
 
 @contextlib.contextmanager

@@ -57,6 +57,13 @@ class ModelConfig:
     """BERT pooler and next-sentence head."""
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     """Layer spec: Transformer Engine where installed and on GPU (``auto``), or Megatron's local one."""
+    fp8: Optional[Literal["e4m3", "hybrid"]] = None
+    """FP8 training of the linear layers (Megatron-Core's ``fp8``, Transformer Engine's delayed
+    scaling): ``e4m3`` everywhere, or ``hybrid`` (e4m3 forward, e5m2 gradients); needs the
+    Transformer Engine layers on a GPU. Every level trains in it. Transitions carry weights and
+    optimizer state only: each new level's layers (coalesced, de-coalesced or grown) start their
+    FP8 scaling state (amax history, scales) afresh, as a new model does, since the ranges it
+    recorded belong to the tensors the transition replaced; a resumed run continues its own."""
     depth_mup_base_layers: Optional[int] = None
     """Depth-muP (off: None): the depth at which this parametrisation is the standard one. A model of
     ``L`` layers multiplies each residual branch's output by ``(base / L) ** depth_mup_exponent``
