@@ -37,7 +37,8 @@ from megatron_multilevel.ode_operators import fold_branch_multiplier, unfold_bra
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's
 INFO_FILE = "megatron_multilevel.json"  # ours, beside it: the model config and the flags Megatron-LM needs
-MASTER_KEYS = ("fp32_param", "param")  # the fp32 master weights of a 16-bit run (Float16Optimizer's, DistributedOptimizer's)
+# the fp32 master weights of a 16-bit run (Float16Optimizer's, the distributed optimizer's)
+MASTER_KEYS = ("fp32_param", "param")
 
 
 @dataclasses.dataclass

@@ -32,8 +32,8 @@ def scalars(kind: str, values: dict) -> list[tuple[str, float, int]]:
 def deepspeed_monitor(blocks: dict, output_dir: str):
     """DeepSpeed's ``MonitorMaster`` for the config's monitor ``blocks`` (None if none is enabled).
     Where a block leaves it open, the files go into the run directory (CSV in ``<run>/csv``,
-    DeepSpeed's TensorBoard in ``<run>/tensorboard/deepspeed``, W&B's run in ``<run>/wandb``), and a resumed run continues the same W&B run (its id kept in
-    ``<run>/wandb_run_id``)."""
+    DeepSpeed's TensorBoard in ``<run>/tensorboard/deepspeed``, W&B's run in ``<run>/wandb``), and
+    a resumed run continues the same W&B run (its id kept in ``<run>/wandb_run_id``)."""
     blocks = {k: dict(v) for k, v in blocks.items() if isinstance(v, dict) and v.get("enabled")}
     if not blocks:
         return None
