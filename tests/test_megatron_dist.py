@@ -195,11 +195,14 @@ def test_torch_dist_round_trip_and_refusals(tmp_path, dist_single):
     assert not plain.moments
     with pytest.raises(ValueError, match=r"decoder.layers.mlp.linear_fc1.weight is \(4, 512, 64\) in the checkpoint"):
         megatron_dist.read(str(tmp_path / "plain"), dataclasses.replace(cfg, ffn_hidden_size=128))
-    # a common state that asks for a class: refused, nothing run
-    common = tmp_path / "plain" / "iter_0000009" / "common.pt"
-    state = torch.load(common, weights_only=True)
+    # a common state that asks for a class: refused, nothing run (planted as common.pt, where
+    # Megatron-Core 0.16 keeps it and 0.19, which keeps it among the shards, still reads it first)
+    from megatron.core import dist_checkpointing
+
+    directory = tmp_path / "plain" / "iter_0000009"
+    state = dist_checkpointing.load_common_state_dict(str(directory))
     state["args"] = argparse.ArgumentParser  # any class beyond the Namespace
-    torch.save(state, common)
+    torch.save(state, directory / "common.pt")
     with pytest.raises(ValueError, match="asks for more than tensors and argparse.Namespace"):
         megatron_dist.read(str(tmp_path / "plain"))
 

@@ -23,6 +23,9 @@ def _entry(fn, rank, world_size, workdir, tensor_model_parallel_size, args):
     try:
         import warnings
 
+        from megatron_multilevel.compat import quiet_library_notices
+
+        quiet_library_notices()  # a new process: the libraries' known notices dropped here too
         warnings.filterwarnings("ignore")
         from megatron_multilevel.distributed import init_distributed, shutdown_distributed
 
