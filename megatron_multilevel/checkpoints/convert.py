@@ -87,12 +87,9 @@ def load_source(path: str, model: Optional[ModelConfig] = None) -> Source:
         ckpt = megatron_dist.read(path, model)
         for note in ckpt.notes:
             print(f"{path}: {note}")
-        root = path if os.path.isfile(os.path.join(path, megatron_dist.LATEST_FILE)) else os.path.dirname(path)
-        tokenizer = next((os.path.join(root, t) for t in ("tokenizer.model", "tokenizer")
-                          if os.path.exists(os.path.join(root, t))), None)
         return Source(ckpt.tensors, ckpt.model, 0, [], {"kind": "megatron torch_dist", "path": os.path.abspath(path),
                                                       "iteration": ckpt.iteration},
-                      tokenizer=tokenizer, moments=ckpt.moments, optimizer_step=ckpt.step)
+                      tokenizer=ckpt.tokenizer, moments=ckpt.moments, optimizer_step=ckpt.step)
     if is_full(path):
         tensors, model, meta = load_full(path)
         ode = {k: meta["source"][k] for k in ("strategy", "selection") if meta.get("source", {}).get(k)}

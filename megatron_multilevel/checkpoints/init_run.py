@@ -37,7 +37,7 @@ def init_run(src: str, config_path: str, out: str, *, num_gpus: Optional[int] = 
     tp = cfg.level_tp_sizes()[0]
     world = tp if num_gpus is None else num_gpus
     try:
-        LevelEngines(cfg, world)  # every level's TP size and the batch fit the ranks
+        levels = LevelEngines(cfg, world)  # every level's TP size and the batch fit the ranks
     except ValueError as e:
         raise ValueError(f"--num-gpus {world}: {e}") from None
     if cfg.multilevel.enabled and cfg.multilevel.strategy != "coalesce":
@@ -55,7 +55,7 @@ def init_run(src: str, config_path: str, out: str, *, num_gpus: Optional[int] = 
         raise ValueError(f"{where} differs from the checkpoint's: "
                          + ", ".join(f"model.{k} = {ours[k]!r}, the checkpoint has {theirs.get(k)!r}" for k in diff))
     moments = {} if fresh_optimizer else source.moments
-    keys = LevelEngines(cfg, world).optimizer_state_keys()
+    keys = levels.optimizer_state_keys()
     if moments and set(moments) != set(keys):
         print(f"{src}: its optimizer state ({', '.join(sorted(moments))}) is not the run's optimizer's "
               f"({', '.join(keys) or 'none'}): the run starts with a fresh one")

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from megatron_multilevel.config import ModelConfig
+from megatron_multilevel.data.tokenizer import keep_tokenizer, run_tokenizer_copy
 from megatron_multilevel.distributed import init_single_process, set_tensor_model_parallel_size
 from megatron_multilevel.models import build_model, load_parameters
 from megatron_multilevel.ode_operators import fold_branch_multiplier, unfold_branch_multiplier
@@ -49,6 +50,7 @@ class MegatronCheckpoint:
     moments: dict  # {state key: {name: full tensor}}; empty without an optimizer state
     step: Optional[int]  # the optimizer's step count (None: unknown, and then no moments)
     notes: list  # what was not carried, one line each
+    tokenizer: Optional[str]  # the tokenizer kept beside it, where one is
 
 
 def iteration_dir(path: str) -> tuple[str, Optional[int]]:
@@ -170,9 +172,8 @@ def write(out: str, tensors: dict, cfg: ModelConfig, *, iteration: int = 0, mome
         dist_checkpointing.save(state, os.path.join(work, name))
         with open(os.path.join(work, LATEST_FILE), "w") as f:
             f.write(str(iteration))
-        if tokenizer:  # as Megatron-LM's --tokenizer-model takes it
-            target = os.path.join(work, "tokenizer" if os.path.isdir(tokenizer) else "tokenizer.model")
-            (shutil.copytree if os.path.isdir(tokenizer) else shutil.copy)(tokenizer, target)
+        if tokenizer:  # as a run directory keeps it, and as Megatron-LM's --tokenizer-model takes it
+            keep_tokenizer(tokenizer, work)
         written = "optimizer" in state
         info = {"model": dataclasses.asdict(cfg), "branch_multiplier_folded": cfg.branch_multiplier,
                 "optimizer": sorted(moments) if written else [], "step": step if written else None,
@@ -186,14 +187,14 @@ def write(out: str, tensors: dict, cfg: ModelConfig, *, iteration: int = 0, mome
     return notes
 
 
-def _config_of(root: str, directory: str, keys) -> Optional[ModelConfig]:
-    """The model config a checkpoint records: ours (``INFO_FILE``), else Megatron-LM's ``args``
-    (a BERT by its masked-LM head among the tensor ``keys``)."""
+def _config_of(root: str, directory: str, common: dict, keys) -> Optional[ModelConfig]:
+    """The model config a checkpoint records: ours (``INFO_FILE``), else Megatron-LM's ``args`` in
+    its ``common`` state (a BERT by its masked-LM head among the tensor ``keys``)."""
     info = os.path.join(root, INFO_FILE)
     if os.path.isfile(info):
         with open(info) as f:
             return ModelConfig(**json.load(f)["model"])
-    args = _common(directory).get("args")
+    args = common.get("args")
     if args is None:
         return None
     a = vars(args)
@@ -271,7 +272,8 @@ def read(path: str, model: Optional[ModelConfig] = None, *, optimizer: bool = Tr
     if not is_torch_dist(path):
         raise ValueError(f"{path} is not a Megatron-Core torch_dist checkpoint (no metadata.json naming torch_dist)")
     stored = dist_checkpointing.load_tensors_metadata(directory)
-    cfg = model or _config_of(_save_root(path), directory, stored)
+    common = _common(directory)
+    cfg = model or _config_of(_save_root(path), directory, common, stored)
     if cfg is None:
         raise ValueError(f"{path} records no model config (neither {INFO_FILE} nor Megatron-LM's args): pass --config")
     net = _single_process_model(cfg)
@@ -293,7 +295,7 @@ def read(path: str, model: Optional[ModelConfig] = None, *, optimizer: bool = Tr
             if all(f"optimizer.state.{k}.{sh.key}" in stored for sh in sharded.values())]
     step = None
     if optimizer and keys:
-        step = _find_step(_common(directory).get("optimizer"))
+        step = _find_step(common.get("optimizer"))
         if step is None:
             notes.append(f"optimizer state {keys} not read: the checkpoint records no step count for it")
             keys = []
@@ -310,4 +312,5 @@ def read(path: str, model: Optional[ModelConfig] = None, *, optimizer: bool = Tr
         notes.append(f"weights from the optimizer's fp32 master copy (optimizer.state.{master})")
     tensors = unfold_branch_multiplier(weights, cfg)
     moments = {key: {name: t.float() for name, t in loaded[key].items()} for key in keys}
-    return MegatronCheckpoint(tensors, cfg, iteration, moments, step if keys else None, notes)
+    return MegatronCheckpoint(tensors, cfg, iteration, moments, step if keys else None, notes,
+                              run_tokenizer_copy(_save_root(path)))

@@ -10,9 +10,10 @@ import re
 from megatron_multilevel.config.parsing import flatten
 
 # Keys that do not change what the run computes: where it writes, how often it logs, evaluates and
-# saves, how long a stop may take, how transitions are checked, where the data cache is; the layout (tensor-parallel size, ZeRO
-# stage, micro-batches: the global batch is compared on its own, a layout the checkpoint cannot be
-# loaded in is refused by the layout check); DeepSpeed's monitors and profilers.
+# saves, how long a stop may take, how transitions are checked, where the data cache is; the layout
+# (tensor-parallel size, ZeRO stage, micro-batches: the global batch is compared on its own, a
+# layout the checkpoint cannot be loaded in is refused by the layout check); DeepSpeed's monitors
+# and profilers.
 NEUTRAL = ("training.output_dir", "training.log_interval", "training.eval_interval", "training.eval_batches",
            "training.save_interval", "training.keep_checkpoints", "training.stop_grace_seconds",
            "training.transition_check", "training.transition_check_steps", "training.transition_check_tolerance",
