@@ -1,6 +1,6 @@
 """Make Megatron-Core run on a machine without CUDA.
 
-Megatron-Core (0.16 and 0.19 alike) hard-codes CUDA in four places that a CPU run reaches:
+Megatron-Core (0.16 and 0.19 alike) hard-codes CUDA in six places that a CPU run reaches:
 1. ``torch.cuda.current_device()`` is the ``device=`` of about twenty allocations
    (attention's global memory buffer, TP mappings, layers, GPTModel);
 2. its RNG tracker (forked by attention even with dropout 0) reads and writes the CUDA
@@ -8,10 +8,13 @@ Megatron-Core (0.16 and 0.19 alike) hard-codes CUDA in four places that a CPU ru
    ``torch.cuda.manual_seed``;
 3. ``get_default_causal_mask`` builds its mask on ``"cuda"`` when no mask is passed;
 4. ``dist_checkpointing.save`` waits for the device (``torch.cuda.synchronize``) after copying
-   tensors to the host, which on a CPU has nothing to wait for.
+   tensors to the host, which on a CPU has nothing to wait for;
+5. the pipeline schedules count tokens in ``torch.zeros([], device="cuda")``;
+6. under pipeline parallelism with tied embeddings, the last stage's copy of the word embedding
+   is moved to the GPU (``weight.data.cuda()``) before the all-reduce that initialises it.
 
 Each is redirected to the CPU, only when CUDA is absent, so that a GPU run is untouched.
-No library offers this; the patch is kept to exactly these four points.
+No library offers this; the patch is kept to exactly these six points.
 """
 
 import functools
@@ -30,6 +33,7 @@ def apply_cpu_shims() -> bool:
         return True
 
     from megatron.core.fusions import fused_softmax
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import utils as transformer_utils
 
@@ -60,5 +64,23 @@ def apply_cpu_shims() -> bool:
     # 4. No device to wait for.
     torch.cuda.synchronize = lambda device=None: None
 
+    # 5. The schedules' "cuda" allocations land on the CPU: they see torch through a view whose
+    # zeros() does (the module's only literal device).
+    schedules.torch = _TorchOnCpu()
+
+    # 6. A tensor asked onto the GPU stays where it is (there is none).
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
     _applied = True
     return True
+
+
+class _TorchOnCpu:
+    """``torch``, except that ``zeros(..., device="cuda")`` allocates on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)

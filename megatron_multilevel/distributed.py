@@ -161,20 +161,22 @@ def init_single_process() -> None:
         init_distributed(1, init_method=f"file://{tempfile.mktemp(prefix='rdv-')}", rank=0, world_size=1)
 
 
-def set_tensor_model_parallel_size(tensor_model_parallel_size: int, *, seed: int = 1234) -> None:
-    """(Re)build Megatron's parallel groups for a tensor-parallel size; data parallelism takes the
-    remaining ranks. Groups of an earlier layout stay usable by whoever captured them."""
+def set_tensor_model_parallel_size(tensor_model_parallel_size: int, *, seed: int = 1234,
+                                   pipeline_model_parallel_size: int = 1) -> None:
+    """(Re)build Megatron's parallel groups for a tensor-parallel size (and a pipeline-parallel
+    size); data parallelism takes the remaining ranks. Groups of an earlier layout stay usable by
+    whoever captured them."""
     from megatron.core import parallel_state
 
     world_size = dist.get_world_size()
-    if world_size % tensor_model_parallel_size:
-        raise ValueError(
-            f"parallel.tensor_model_parallel_size = {tensor_model_parallel_size} does not divide "
-            f"the world size {world_size}"
-        )
+    if world_size % (tensor_model_parallel_size * pipeline_model_parallel_size):
+        stages = f" x pipeline_model_parallel_size {pipeline_model_parallel_size}" * (pipeline_model_parallel_size > 1)
+        raise ValueError(f"parallel.tensor_model_parallel_size = {tensor_model_parallel_size}{stages} does not "
+                         f"divide the world size {world_size}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
+                                             pipeline_model_parallel_size=pipeline_model_parallel_size)
     set_seed(seed)
 
 

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_multilevel.config import ModelConfig, check_sequence_parallel_supported
+from megatron_multilevel.config.pipeline import PipelineSplit
 from megatron_multilevel.cpu_shims import apply_cpu_shims
+from megatron_multilevel.parallel.stages import TIED_OUTPUT, WORD_EMBEDDING
 from megatron_multilevel.parallel.tp_layout import partition_dim
 from megatron_multilevel.plan import is_metadata, parameter_plan
 from megatron_multilevel.residual_step import set_residual_step
@@ -56,14 +58,19 @@ def check_fp8(cfg: ModelConfig) -> None:
 
 def transformer_config(
     cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32, perform_initialization: bool = True,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, pipeline: PipelineSplit = PipelineSplit(),
 ):
-    """Megatron's ``TransformerConfig`` for ``cfg`` on the current parallel layout (its TP size),
-    sequence-parallel or not."""
+    """Megatron's ``TransformerConfig`` for ``cfg`` on the current parallel layout (its TP and PP
+    sizes; ``pipeline`` names the split of the layers over the stages), sequence-parallel or not."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
+    assert parallel_state.get_pipeline_model_parallel_world_size() == pipeline.size, (
+        "the parallel state is not the layout's", parallel_state.get_pipeline_model_parallel_world_size(), pipeline)
+    stages = {} if pipeline.size == 1 else dict(
+        pipeline_model_parallel_size=pipeline.size, pipeline_dtype=params_dtype,
+        num_layers_in_first_pipeline_stage=pipeline.first, num_layers_in_last_pipeline_stage=pipeline.last)
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -98,14 +105,17 @@ def transformer_config(
         # on the Transformer Engine layers only (check_fp8 refuses it otherwise before a run; a tool
         # building a model to read or convert weights on a CPU builds it without)
         fp8=cfg.fp8 if cfg.fp8 is not None and use_transformer_engine(cfg) else None,
+        **stages,
     )
 
 
 def build_model(
     cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32, perform_initialization: bool = True,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, pipeline: PipelineSplit = PipelineSplit(),
 ) -> torch.nn.Module:
-    """A Megatron-Core GPT or BERT model (pre- and post-process on this rank, no pipeline).
+    """A Megatron-Core GPT or BERT model, or under pipeline parallelism (``pipeline``, the layout
+    of the current parallel state) this rank's stage of it: its layers, the embeddings on the first
+    stage, the final norm and output layer on the last (Megatron-Core's pre- and post-process).
 
     ``perform_initialization=False`` skips the random init, for a model whose parameters are
     all about to be overwritten (a level built by a transition).
@@ -113,7 +123,7 @@ def build_model(
     ``sequence_parallel`` (at TP > 1) builds it sequence-parallel; to train it under DeepSpeed the
     caller then adds the gradient hooks of ``parallel/sequence_parallel.py``, as ``LevelEngines``
     does for every model it builds."""
-    model = _build(cfg, params_dtype, perform_initialization, sequence_parallel)
+    model = _build(cfg, params_dtype, perform_initialization, sequence_parallel, pipeline)
     if not perform_initialization:
         _set_tensor_parallel_attributes(model, cfg)
     # Depth-muP's branch multiplier: Megatron-Core's layers have none, so a forward hook on each
@@ -128,16 +138,21 @@ def _set_tensor_parallel_attributes(model: torch.nn.Module, cfg: ModelConfig) ->
 
     plan = parameter_plan(cfg)
     for name, p in model.named_parameters():
+        if name == TIED_OUTPUT and cfg.share_embeddings_and_output_weights:
+            name = WORD_EMBEDDING  # the last pipeline stage's copy of the tied word embedding
         dim = partition_dim(plan.rule(name)[1])
         if dim is not None and not hasattr(p, "partition_dim"):
             set_tensor_model_parallel_attributes(p, is_parallel=True, dim=dim, stride=1)
 
 
 def _build(cfg: ModelConfig, params_dtype: torch.dtype, perform_initialization: bool,
-           sequence_parallel: bool) -> torch.nn.Module:
+           sequence_parallel: bool, pipeline: PipelineSplit) -> torch.nn.Module:
+    from megatron.core import parallel_state
+
     apply_cpu_shims()
     config = transformer_config(cfg, params_dtype=params_dtype, perform_initialization=perform_initialization,
-                                sequence_parallel=sequence_parallel)
+                                sequence_parallel=sequence_parallel, pipeline=pipeline)
+    stage = dict(pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage())
     if config.sequence_parallel:
         check_sequence_parallel_supported(cfg.kind)
     te = use_transformer_engine(cfg)
@@ -155,7 +170,7 @@ def _build(cfg: ModelConfig, params_dtype: torch.dtype, perform_initialization: 
         )
         if config.sequence_parallel and not te:
             # Megatron's torch norm (the local spec's without Apex) rejects sequence parallelism.
-            spec = local_spec_with_sequence_parallel_norms(spec, cfg.num_layers)
+            spec = local_spec_with_sequence_parallel_norms(spec, config)
         return GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -164,6 +179,7 @@ def _build(cfg: ModelConfig, params_dtype: torch.dtype, perform_initialization: 
             share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
             position_embedding_type=cfg.position_embedding_type,
             rotary_base=cfg.rotary_base,
+            **stage,
         )
     from megatron.core.models.bert.bert_layer_specs import (
         bert_layer_local_spec,
@@ -181,6 +197,7 @@ def _build(cfg: ModelConfig, params_dtype: torch.dtype, perform_initialization: 
         share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
         position_embedding_type=cfg.position_embedding_type,
         add_binary_head=cfg.add_binary_head,
+        **stage,
     )
 
 
@@ -198,12 +215,18 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def local_spec_with_sequence_parallel_norms(layer_spec, num_layers: int):
-    """The block spec of ``num_layers`` layers of the local ``layer_spec`` and a final norm, with
-    :class:`SequenceParallelTorchNorm` wherever Megatron would build its torch norm."""
+def local_spec_with_sequence_parallel_norms(layer_spec, config):
+    """The block spec of this rank's layers (all of them, or its pipeline stage's) of the local
+    ``layer_spec`` and a final norm, with :class:`SequenceParallelTorchNorm` wherever Megatron
+    would build its torch norm."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
+    num_layers = get_num_layers_to_build(config)
     layer_spec = _replace_module(layer_spec, WrappedTorchNorm, SequenceParallelTorchNorm)
     final_norm = SequenceParallelTorchNorm if LayerNormImpl is WrappedTorchNorm else LayerNormImpl
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=final_norm)
@@ -262,17 +285,36 @@ def language_model_loss(
 ) -> torch.Tensor:
     """Mean cross-entropy over the positions of ``loss_mask`` (next token for GPT, masked tokens
     for BERT), computed by Megatron's vocab-parallel cross-entropy (correct at any TP size)."""
+    losses = token_losses(model, cfg, tokens, labels, padding_mask=padding_mask, tokentype_ids=tokentype_ids)
+    return masked_mean(losses, loss_mask)
+
+
+def token_losses(
+    model: torch.nn.Module,
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    padding_mask: "torch.Tensor | None" = None,
+    tokentype_ids: "torch.Tensor | None" = None,
+) -> torch.Tensor:
+    """The per-token losses ``[b, s]`` of ``model``; a pipeline stage other than the last returns
+    its output hidden states instead (its input: the previous stage's, set by the schedule)."""
     b, s = tokens.shape
     if cfg.kind == "gpt":
         position_ids = torch.arange(s, device=tokens.device).expand(b, s)
-        losses = model(tokens, position_ids, None, labels=labels)
-    else:
-        if padding_mask is None:
-            padding_mask = torch.ones(b, s, device=tokens.device)
-        if not cfg.num_tokentypes:
-            tokentype_ids = None  # the data has segment ids; a model without their embedding ignores them
-        elif tokentype_ids is None:
-            tokentype_ids = torch.zeros_like(tokens)
-        losses, _ = model(tokens, padding_mask, tokentype_ids, lm_labels=labels)
+        return model(tokens, position_ids, None, labels=labels)
+    if padding_mask is None:
+        padding_mask = torch.ones(b, s, device=tokens.device)
+    if not cfg.num_tokentypes:
+        tokentype_ids = None  # the data has segment ids; a model without their embedding ignores them
+    elif tokentype_ids is None:
+        tokentype_ids = torch.zeros_like(tokens)
+    out = model(tokens, padding_mask, tokentype_ids, lm_labels=labels)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def masked_mean(losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """The mean of ``losses`` over the positions of ``loss_mask``."""
     mask = loss_mask.float()
     return (losses.float() * mask).sum() / mask.sum().clamp(min=1.0)

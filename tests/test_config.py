@@ -48,7 +48,8 @@ ACCEPTED = {
         "parametrisation", "post_steps", "pre_steps", "prolongation", "residual_scale", "trust_radius",
     ],
     LevelConfig: [
-        "alpha", "deepspeed", "lr_after", "lr_before", "steps_after", "steps_before",
+        "alpha", "deepspeed", "lr_after", "lr_before", "num_layers_in_first_pipeline_stage",
+        "num_layers_in_last_pipeline_stage", "pipeline_model_parallel_size", "steps_after", "steps_before",
         "tensor_model_parallel_size", "visits",
     ],
     VisitConfig: ["lr", "steps"],
@@ -62,7 +63,8 @@ ACCEPTED = {
         "save_interval", "seed", "stop_grace_seconds", "train_steps", "transition_check",
         "transition_check_steps", "transition_check_tolerance",
     ],
-    ParallelConfig: ["sequence_parallel", "tensor_model_parallel_size"],
+    ParallelConfig: ["num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                     "pipeline_model_parallel_size", "sequence_parallel", "tensor_model_parallel_size"],
 }
 
 

@@ -58,6 +58,13 @@ class LevelConfig:
     ``multilevel.alpha``."""
     tensor_model_parallel_size: Optional[int] = None
     """Tensor-parallel size at this level; null means ``parallel.tensor_model_parallel_size``."""
+    pipeline_model_parallel_size: Optional[int] = None
+    """Pipeline stages at this level; null means ``parallel.pipeline_model_parallel_size``."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Layers on this level's first stage where its split is uneven (null: an even share; level 0
+    defaults to ``parallel.num_layers_in_first_pipeline_stage``)."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Layers on this level's last stage where its split is uneven (as the first stage's)."""
     deepspeed: dict = field(default_factory=dict)
     """DeepSpeed keys overridden at this level (deep-merged), e.g. ``{"zero_optimization": {"stage": 3}}``."""
 

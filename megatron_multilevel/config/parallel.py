@@ -1,4 +1,4 @@
-"""The ``parallel`` block: tensor parallelism, and where Megatron's sequence parallelism runs."""
+"""The ``parallel`` block: tensor and pipeline parallelism, and where Megatron's sequence parallelism runs."""
 
 from dataclasses import dataclass
 from typing import Optional
@@ -20,8 +20,17 @@ class ParallelConfig:
     outside the tensor-parallel regions split along the sequence: their memory falls by the TP
     size): null turns it on where CUDA is available, true wherever TP > 1, false nowhere."""
 
+    pipeline_model_parallel_size: int = 1
+    """Megatron-Core pipeline-parallel size (stages) of every level that does not set its own
+    (``multilevel.levels[*].pipeline_model_parallel_size``)."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Layers on the first stage of the full model (level 0) where the split is uneven; null: an even share."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Layers on the last stage of the full model (level 0) where the split is uneven; null: an even share."""
+
     def __post_init__(self):
         check_positive("parallel.tensor_model_parallel_size", self.tensor_model_parallel_size)
+        check_positive("parallel.pipeline_model_parallel_size", self.pipeline_model_parallel_size)
 
 
 def resolve_sequence_parallel(setting: Optional[bool], tensor_model_parallel_size: int, kind: str) -> bool:

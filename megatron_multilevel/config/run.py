@@ -33,6 +33,7 @@ from megatron_multilevel.config.model import (
 )
 from megatron_multilevel.config.multilevel import MultilevelConfig
 from megatron_multilevel.config.optimizers import check_optimizers
+from megatron_multilevel.config.pipeline import PipelineSplit, check_pipeline_deepspeed
 from megatron_multilevel.config.parallel import (
     ParallelConfig,
     check_sequence_parallel_supported,
@@ -75,6 +76,7 @@ class RunConfig:
             )
         for level, (cfg, tp) in enumerate(zip(self.level_models(), self.level_tp_sizes())):
             self._check_level_parallel(level, cfg, tp)
+        self._check_pipelines()
         self._check_sequence_parallel()
         self._check_width_symmetry()
         self._check_continued_schedule()
@@ -269,6 +271,34 @@ class RunConfig:
             return [default, self.multilevel.ode.coarse_tensor_model_parallel_size or default]
         return [lv.tensor_model_parallel_size or default for lv in self.multilevel.levels]
 
+    def level_pipelines(self) -> list[PipelineSplit]:
+        """The pipeline stages of every level (level 0 takes the ``parallel`` block's uneven split)."""
+        par, ml = self.parallel, self.multilevel
+        fine = PipelineSplit(par.pipeline_model_parallel_size, par.num_layers_in_first_pipeline_stage,
+                             par.num_layers_in_last_pipeline_stage)
+        if not ml.enabled:
+            return [fine]
+        if ml.strategy == "ode":
+            return [fine, PipelineSplit(par.pipeline_model_parallel_size)]
+        splits = []
+        for level, lv in enumerate(ml.levels):
+            first, last = (fine.first, fine.last) if level == 0 else (None, None)
+            splits.append(PipelineSplit(
+                lv.pipeline_model_parallel_size or par.pipeline_model_parallel_size,
+                first if lv.num_layers_in_first_pipeline_stage is None else lv.num_layers_in_first_pipeline_stage,
+                last if lv.num_layers_in_last_pipeline_stage is None else lv.num_layers_in_last_pipeline_stage))
+        return splits
+
+    def _check_pipelines(self) -> None:
+        ml = self.multilevel
+        for level, (model, split) in enumerate(zip(self.level_models(), self.level_pipelines())):
+            own = ml.enabled and ml.strategy == "coalesce" and ml.levels[level].pipeline_model_parallel_size
+            split.stage_layers(model.num_layers, f"multilevel.levels.{level}" if own else "parallel")
+            check_pipeline_deepspeed(split, self.level_deepspeed(level), level)
+            if ml.enabled and split.size > 1:
+                raise ValueError(f"level {level}: pipeline_model_parallel_size = {split.size} in a multilevel run: "
+                                 f"transitions across pipeline stages are not built yet; valid there: 1")
+
     def level_sequence_parallel(self) -> list[bool]:
         """Whether every level runs sequence-parallel (``parallel.sequence_parallel`` resolved at its TP size)."""
         setting, kind = self.parallel.sequence_parallel, self.model.kind
@@ -306,8 +336,12 @@ class RunConfig:
     def check_world_size(self, world_size: int) -> None:
         """Raise ``ValueError``, naming the key, if a level's tensor-parallel size does not divide
         ``world_size``."""
-        for level, (model, tp) in enumerate(zip(self.level_models(), self.level_tp_sizes())):
-            if world_size % tp:
+        for level, (model, tp, split) in enumerate(zip(self.level_models(), self.level_tp_sizes(),
+                                                       self.level_pipelines())):
+            if world_size % (tp * split.size):
+                if split.size > 1:
+                    raise ValueError(f"level {level}: tensor_model_parallel_size {tp} x pipeline_model_parallel_size "
+                                     f"{split.size} does not divide the world size {world_size}")
                 valid = [d for d in valid_tp_sizes(model) if world_size % d == 0]
                 raise ValueError(
                     f"level {level}: {self._tp_key(level)} = {tp} does not divide the world size {world_size}; "

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_multilevel.config import ZERO_STAGES, ModelConfig, undivided_size, valid_tp_sizes
+from megatron_multilevel.config.pipeline import PipelineSplit
 from megatron_multilevel.parallel.snapshot import Snapshot
 from megatron_multilevel.parallel.streams import Groups, ModelWriter, vocab_slabs
 from megatron_multilevel.parallel.zero import inner_torch_optimizer, materialize_optimizer_state
@@ -25,6 +26,8 @@ class Layout:
 
     tensor_model_parallel_size: int = 1
     zero_stage: int = 0
+    pipeline: PipelineSplit = PipelineSplit()
+    """The pipeline stages (one: no pipeline parallelism)."""
 
     def check(self, cfg: ModelConfig, world_size: int, what: str) -> None:
         """Raise ``ValueError`` if a model of ``cfg`` cannot be laid out this way."""

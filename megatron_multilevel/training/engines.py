@@ -13,8 +13,10 @@ from megatron_multilevel.distributed import default_backend, set_tensor_model_pa
 from megatron_multilevel.level_maps import LayerSelection
 from megatron_multilevel.models import build_model
 from megatron_multilevel.parallel.sequence_parallel import register_sequence_parallel_grad_hooks
+from megatron_multilevel.parallel.stages import copy_stage_from_whole
 from megatron_multilevel.parallel.staging import Layout
 from megatron_multilevel.residual_step import set_residual_step
+from megatron_multilevel.training.pipeline import PipelineStep, set_up_pipelined_engine
 
 
 class LevelEngines:
@@ -25,19 +27,20 @@ class LevelEngines:
         self.world_size = world_size
         self.models = cfg.level_models()
         self.tp_sizes = cfg.level_tp_sizes()
+        self.pipelines = cfg.level_pipelines()
         self.sequence_parallel = cfg.level_sequence_parallel()
         ds = cfg.deepspeed
         self.accumulation = int(ds.get("gradient_accumulation_steps", 1))
         cfg.check_world_size(world_size)
-        dp0 = world_size // self.tp_sizes[0]
+        dp0 = self.data_parallel_size(0)
         if "train_batch_size" in ds:
             self.global_batch = int(ds["train_batch_size"])
         elif "train_micro_batch_size_per_gpu" in ds:
             self.global_batch = int(ds["train_micro_batch_size_per_gpu"]) * self.accumulation * dp0
         else:
             raise ValueError("config: set train_batch_size or train_micro_batch_size_per_gpu")
-        for level, tp in enumerate(self.tp_sizes):
-            dp = world_size // tp
+        for level in range(len(self.tp_sizes)):
+            dp = self.data_parallel_size(level)
             if self.global_batch % (self.accumulation * dp):
                 raise ValueError(
                     f"level {level}: train_batch_size = {self.global_batch} is not divisible by "
@@ -48,7 +51,24 @@ class LevelEngines:
         return self.global_batch // (self.accumulation * self.data_parallel_size(level))
 
     def data_parallel_size(self, level: int) -> int:
-        return self.world_size // self.tp_sizes[level]
+        return self.world_size // (self.tp_sizes[level] * self.pipelines[level].size)
+
+    def pipelined(self, level: int) -> bool:
+        """Whether ``level`` runs over more than one pipeline stage (trained by Megatron-Core's schedule)."""
+        return self.pipelines[level].size > 1
+
+    def pipeline_clip(self, level: int) -> float:
+        """The gradient-norm clip the pipeline step of ``level`` applies itself (``training/pipeline.py``):
+        DeepSpeed's ``gradient_clipping`` at a pipelined level without ZeRO, where DeepSpeed's own clip
+        would count the tied embedding twice and other stages' replicated parameters not at all; 0
+        elsewhere (ZeRO-1's optimizer clips with the stages' norm)."""
+        if not self.pipelined(level) or self.layout(level).zero_stage:
+            return 0.0
+        return float(self.cfg.level_deepspeed(level).get("gradient_clipping", 0.0))
+
+    def pipeline_step(self, level: int, seq_length: int) -> PipelineStep:
+        """The passes of a pipelined ``level`` (Megatron-Core's schedule)."""
+        return PipelineStep(self.models[level], seq_length, self.micro_batch(level), self.pipeline_clip(level))
 
     def optimizer_state_keys(self) -> tuple[str, ...]:
         """The optimizer state a transition can carry: Adam's moments, SGD's momentum (none
@@ -63,11 +83,14 @@ class LevelEngines:
         ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
         ds["optimizer"].setdefault("params", {})["lr"] = lr_peak
         ds.setdefault("steps_per_print", 10**9)
+        if self.pipelined(level) and not ds.get("zero_optimization", {}).get("stage", 0):
+            # clipped by the pipeline step (see pipeline_clip); 0, not absent: DeepSpeed's default is 1
+            ds["gradient_clipping"] = 0.0
         return ds
 
     def layout(self, level: int) -> Layout:
-        stage = self.ds_config(level, 1.0).get("zero_optimization", {}).get("stage", 0)
-        return Layout(self.tp_sizes[level], int(stage))
+        stage = self.cfg.level_deepspeed(level).get("zero_optimization", {}).get("stage", 0)
+        return Layout(self.tp_sizes[level], int(stage), self.pipelines[level])
 
     def layout_change(self, saved: "LevelEngines") -> Optional[str]:
         """How the layout of the run ``saved`` was written in differs from this one, where its
@@ -78,7 +101,8 @@ class LevelEngines:
             dp_ours, dp_theirs = self.data_parallel_size(level), saved.data_parallel_size(level)
             if ours != theirs or (ours.zero_stage and dp_ours != dp_theirs):
                 def say(layout, dp):
-                    return f"TP={layout.tensor_model_parallel_size}, ZeRO stage {layout.zero_stage}, DP={dp}"
+                    stages = f", PP={layout.pipeline.size}" * (layout.pipeline.size > 1)
+                    return f"TP={layout.tensor_model_parallel_size}{stages}, ZeRO stage {layout.zero_stage}, DP={dp}"
                 return f"level {level}: {say(theirs, dp_theirs)} there, {say(ours, dp_ours)} here"
         return None
 
@@ -112,10 +136,15 @@ class LevelEngines:
         return set_residual_step(self._build_initial_model(level), self.residual_step(level))
 
     def _build_initial_model(self, level: int) -> torch.nn.Module:
-        set_tensor_model_parallel_size(self.tp_sizes[level], seed=self.cfg.training.seed)
+        pipeline = self.pipelines[level]
+        set_tensor_model_parallel_size(self.tp_sizes[level], seed=self.cfg.training.seed,
+                                       pipeline_model_parallel_size=pipeline.size)
         cfg, sequence_parallel = self.models[level], self.sequence_parallel[level]
+        if pipeline.size > 1 and not torch.cuda.is_available():
+            return _with_grad_hooks(self._stage_of_whole_model(level), sequence_parallel)
         if self.layout(level).zero_stage < 3:
-            return _with_grad_hooks(build_model(cfg, sequence_parallel=sequence_parallel), sequence_parallel)
+            model = build_model(cfg, sequence_parallel=sequence_parallel, pipeline=pipeline)
+            return _with_grad_hooks(model, sequence_parallel)
         import deepspeed
         from megatron.core import parallel_state
 
@@ -131,6 +160,23 @@ class LevelEngines:
             model = build_model(cfg, sequence_parallel=sequence_parallel)
         _reinit_plain_torch_parameters(model, cfg, self.cfg.training.seed)
         return _with_grad_hooks(model, sequence_parallel)
+
+    def _stage_of_whole_model(self, level: int) -> torch.nn.Module:
+        """This rank's stage of the model a one-stage run initialises (on the CPU, where every rank
+        initialises the whole model and slices it, so that every layout starts from the same weights,
+        as every tensor-parallel size does): the whole model is built at one stage, then the stage
+        takes its part of it. On a GPU each stage initialises its own layers, as in Megatron-LM."""
+        from megatron.core import parallel_state
+
+        tp, pipeline, seed = self.tp_sizes[level], self.pipelines[level], self.cfg.training.seed
+        cfg, sequence_parallel = self.models[level], self.sequence_parallel[level]
+        set_tensor_model_parallel_size(tp, seed=seed)
+        whole = build_model(cfg, sequence_parallel=sequence_parallel).state_dict()
+        set_tensor_model_parallel_size(tp, seed=seed, pipeline_model_parallel_size=pipeline.size)
+        model = build_model(cfg, perform_initialization=False, sequence_parallel=sequence_parallel, pipeline=pipeline)
+        offset = pipeline.offsets(cfg.num_layers)[parallel_state.get_pipeline_model_parallel_rank()]
+        copy_stage_from_whole(model, whole, offset, tied=cfg.share_embeddings_and_output_weights)
+        return model
 
     def build_empty_model(self, level: int) -> torch.nn.Module:
         """A model of ``level`` in its layout whose parameters a checkpoint or a transition is about
@@ -153,6 +199,8 @@ class LevelEngines:
             model=model, model_parameters=groups, config=config, mpu=mpu,
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor),
         )
+        if self.pipelined(level):
+            set_up_pipelined_engine(engine)
         return engine
 
 
@@ -180,10 +228,12 @@ def build_empty_model(cfg: ModelConfig, layout: Layout, ds_config: Optional[dict
     layout's tensor-parallel size."""
     from megatron.core import parallel_state
 
-    if parallel_state.get_tensor_model_parallel_world_size() != layout.tensor_model_parallel_size:
-        set_tensor_model_parallel_size(layout.tensor_model_parallel_size)
+    pipeline = layout.pipeline
+    if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()) \
+            != (layout.tensor_model_parallel_size, pipeline.size):
+        set_tensor_model_parallel_size(layout.tensor_model_parallel_size, pipeline_model_parallel_size=pipeline.size)
     if layout.zero_stage < 3:
-        model = build_model(cfg, perform_initialization=False, sequence_parallel=sequence_parallel)
+        model = build_model(cfg, perform_initialization=False, sequence_parallel=sequence_parallel, pipeline=pipeline)
         return _with_grad_hooks(model, sequence_parallel)
     from megatron_multilevel.parallel.mpu import mpu
     from megatron_multilevel.parallel.zero import partitioned_init

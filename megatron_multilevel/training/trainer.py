@@ -145,13 +145,17 @@ class Trainer:
     def _train_step(self, level: int, global_step: int) -> float:
         from megatron.core import parallel_state
 
-        losses = []
-        for micro in range(self.levels.accumulation):
-            loss = self.ctx.loss(level, self.ctx.batch(self.ctx.data.train, level, global_step, micro), self.engine)
-            self.engine.backward(loss)
-            self.engine.step()
-            losses.append(loss.detach().float())
-        value = torch.stack(losses).mean()
+        batches = (self.ctx.batch(self.ctx.data.train, level, global_step, m) for m in range(self.levels.accumulation))
+        if self.levels.pipelined(level):
+            value = self.levels.pipeline_step(level, self.ctx.seq).train(self.engine, list(batches))
+        else:
+            losses = []
+            for batch in batches:
+                loss = self.ctx.loss(level, batch, self.engine)
+                self.engine.backward(loss)
+                self.engine.step()
+                losses.append(loss.detach().float())
+            value = torch.stack(losses).mean()
         dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
         value = value.item() / parallel_state.get_data_parallel_world_size()
         if not math.isfinite(value):
@@ -171,8 +175,11 @@ class Trainer:
         self.engine.eval()
         total = torch.zeros(2, dtype=torch.float64, device=device())
         for b in range(batches or self.cfg.training.eval_batches):
-            for micro in range(self.levels.accumulation):
-                batch = self.ctx.batch(self.ctx.data.valid, level, b, micro)
+            micro = [self.ctx.batch(self.ctx.data.valid, level, b, m) for m in range(self.levels.accumulation)]
+            if self.levels.pipelined(level):
+                total += self.levels.pipeline_step(level, self.ctx.seq).evaluate(self.engine.module, micro)
+                continue
+            for batch in micro:
                 count = batch.loss_mask.sum()
                 total += torch.stack([self.ctx.loss(level, batch, self.engine).double() * count, count.double()])
         self.engine.train()
