@@ -110,3 +110,69 @@ def test_layouts_a_pipeline_cannot_run_are_refused_in_one_line(corpus, tmp_path,
     (tmp_path / "bad.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         LevelEngines(load_config(str(tmp_path / "bad.json")), 2)
+
+
+def test_a_v_cycle_over_two_stages_is_the_one_process_run(reference, corpus, tmp_path):
+    """The default test V-cycle (coalescing width and depth: the coarse level's layer pairs (0, 1)
+    and (2, 3) sit on one stage each, the fine model's final phase rebuilt from both stages), every
+    level over two stages: the one-process run."""
+    config = run_config(tmp_path, corpus, "run", parallel={"pipeline_model_parallel_size": 2}, training=KEEP_ALL)
+    ok(launch(config, "--num_procs", 2))
+    assert_close_to_reference(tmp_path / "run", reference, abs=2e-4)
+
+
+# the growth methods and strategies, each against its own one-process run
+HALVES = {"depth_pairing": "halves", "levels": [
+    {"steps_before": 3, "lr_before": {"peak": 2e-3, "warmup_steps": 2},
+     "steps_after": 5, "lr_after": {"peak": 2e-3, "warmup_steps": 1}},
+    {"steps_before": 5, "lr_before": {"peak": 4e-3}}]}
+MSG = {"cycle": "grow", "num_levels": 2, "alpha": 1.0, "coalesce_width": False, "coalesce_depth": True,
+       "depth_pairing": "halves", "depth_scaling": "none", "growth_mask_steps": 4, "optimizer_state": "map",
+       "levels": [{"steps_after": 6, "lr_after": {"peak": 2e-3, "warmup_steps": 1}},
+                  {"steps_before": 5, "lr_before": {"peak": 2e-3, "warmup_steps": 2}}]}
+GSTACK = {"cycle": "grow", "num_levels": 3, "alpha": 1.0, "coalesce_width": False, "coalesce_depth": True,
+          "depth_pairing": "halves", "depth_scaling": "none",
+          "levels": [{"steps_after": 5, "lr_after": {"peak": 2e-3, "warmup_steps": 1}}, {"steps_after": 0},
+                     {"steps_before": 5, "lr_before": {"peak": 2e-3, "warmup_steps": 2},
+                      "pipeline_model_parallel_size": 1}]}
+ODE = {"enabled": True, "strategy": "ode", "ode": {
+    "cycles": 2, "pre_steps": 2, "coarse_steps": 3, "post_steps": 2, "final_steps": 2, "optimizer_state": "map",
+    "fine_lr": {"peak": 2e-3, "decay": "constant"}, "coarse_lr": {"peak": 4e-3, "decay": "constant"},
+    "final_lr": {"peak": 1e-3, "decay": "constant"}}}
+
+
+def _exactly(path, multilevel: dict):
+    """The config at ``path`` with exactly the ``multilevel`` block given (not merged into the tests')."""
+    config = json.loads(path.read_text())
+    config["multilevel"] = {"enabled": True, **multilevel}
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
+def _levels_at(multilevel: dict, *sizes) -> dict:
+    """``multilevel`` with level ``i`` over ``sizes[i]`` stages."""
+    levels = json.loads(json.dumps(multilevel["levels"]))
+    for level, size in zip(levels, sizes):
+        level.setdefault("pipeline_model_parallel_size", size)
+    return {**multilevel, "levels": levels}
+
+
+@pytest.mark.parametrize("multilevel, parallel", [
+    # the pairs (i, i + 2) always cross the stages; the coarse level on one stage (DP 2)
+    pytest.param(_levels_at(HALVES, 2, 1), {}, id="halves-v-cycle-pp2-to-pp1"),
+    # the stacked layers (2, 3) and their mask on the second stage; moments carried across stages
+    pytest.param(MSG, {"pipeline_model_parallel_size": 2}, id="msg", marks=pytest.mark.slow),
+    # a one-layer model (one stage) stacked into two stages, then four layers over two
+    pytest.param(GSTACK, {"pipeline_model_parallel_size": 2}, id="gstack", marks=pytest.mark.slow),
+    # every other layer kept (layers 0 and 2: one on each stage), the change written back
+    pytest.param(ODE, {"pipeline_model_parallel_size": 2}, id="ode", marks=pytest.mark.slow),
+])
+def test_strategies_over_two_stages_are_the_one_process_run(corpus, tmp_path, multilevel, parallel):
+    one = {k: v for k, v in multilevel.items()}
+    if "levels" in one:
+        one["levels"] = [{k: v for k, v in level.items() if k != "pipeline_model_parallel_size"}
+                         for level in one["levels"]]
+    ok(launch(_exactly(run_config(tmp_path, corpus, "ref", multilevel=one, training=KEEP_ALL), one)))
+    config = run_config(tmp_path, corpus, "run", multilevel=multilevel, parallel=parallel, training=KEEP_ALL)
+    ok(launch(_exactly(config, multilevel), "--num_procs", 2))
+    assert_close_to_reference(tmp_path / "run", {"dir": tmp_path / "ref"}, abs=2e-4)

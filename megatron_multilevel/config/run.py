@@ -295,9 +295,6 @@ class RunConfig:
             own = ml.enabled and ml.strategy == "coalesce" and ml.levels[level].pipeline_model_parallel_size
             split.stage_layers(model.num_layers, f"multilevel.levels.{level}" if own else "parallel")
             check_pipeline_deepspeed(split, self.level_deepspeed(level), level)
-            if ml.enabled and split.size > 1:
-                raise ValueError(f"level {level}: pipeline_model_parallel_size = {split.size} in a multilevel run: "
-                                 f"transitions across pipeline stages are not built yet; valid there: 1")
 
     def level_sequence_parallel(self) -> list[bool]:
         """Whether every level runs sequence-parallel (``parallel.sequence_parallel`` resolved at its TP size)."""

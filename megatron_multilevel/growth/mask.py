@@ -74,5 +74,6 @@ def growth_mask(model: torch.nn.Module, level_map, steps: int) -> Optional[Layer
     ``steps`` 0)."""
     if not steps:
         return None
-    layers = transformer_layers(model)
-    return LayerMask([layers[i] for i in grown_layers(level_map)], steps)
+    # by the whole model's index (Megatron-Core's 1-based layer_number): a pipeline stage holds some
+    layers = {layer.layer_number - 1: layer for layer in transformer_layers(model)}
+    return LayerMask([layers[i] for i in grown_layers(level_map) if i in layers], steps)

@@ -39,17 +39,21 @@ from megatron_multilevel.parallel.zero import (
     write_range,
     write_zero3_partition,
 )
+from megatron_multilevel.parallel.stages import TIED_OUTPUT, WORD_EMBEDDING, StageTable, global_name, layer_offset
 from megatron_multilevel.plan import VOCAB, layer_prefix, parameter_plan
 
 
 @dataclass(frozen=True)
 class Groups:
-    """The tensor-parallel group of this rank in one layout, captured so that it outlives a
-    later change of Megatron's ``parallel_state``."""
+    """The tensor-parallel group (and pipeline group) of this rank in one layout, captured so that
+    it outlives a later change of Megatron's ``parallel_state``."""
 
     tp_group: object
     tp_rank: int
     tp_size: int
+    pp_group: object = None
+    pp_rank: int = 0
+    pp_size: int = 1
 
     @classmethod
     def current(cls) -> "Groups":
@@ -59,6 +63,9 @@ class Groups:
             ps.get_tensor_model_parallel_group(),
             ps.get_tensor_model_parallel_rank(),
             ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_group(),
+            ps.get_pipeline_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_world_size(),
         )
 
 
@@ -107,14 +114,42 @@ def _owns_storage(t: torch.Tensor) -> bool:
 
 
 class _ModelStream:
+    """Parameters by their whole-model names. Under pipeline parallelism a rank holds its stage's
+    (``stages``: who holds what); the last stage's copy of a tied word embedding is written with it."""
+
     def __init__(self, module, cfg: ModelConfig, groups: Groups, *, local: bool = False,
                  optimizer=None, state_key: StateKey = None):
-        self.params = dict(module.named_parameters())
+        named = dict(module.named_parameters())
+        self.tied_copy = named.pop(TIED_OUTPUT, None) if cfg.share_embeddings_and_output_weights else None
+        offset = layer_offset(module) if groups.pp_size > 1 else 0
+        self.params = {global_name(name, offset): p for name, p in named.items()}
         self.cfg, self.groups, self.local = cfg, groups, local
         self.optimizer, self.state_key = optimizer, state_key
         self.plan = parameter_plan(cfg)
         if state_key is not None:
             link_optimizer_state(optimizer)
+        self.stages = None if groups.pp_size == 1 else StageTable(
+            groups.pp_group, groups.pp_rank, {name: (self._shape(name), self._dtype(p)) for name, p in self.params.items()})
+        self.names = list(self.params) if self.stages is None else self.stages.names
+
+    def _shape(self, name: str) -> tuple:
+        """The shape a reader returns for ``name``: the full tensor's, or this rank's shard's."""
+        shape = list(local_shape(self.params[name]))
+        if self._tp_split(name):
+            shape[partition_dim(self.plan.rule(name)[1])] *= self.groups.tp_size
+        return tuple(shape)
+
+    def _dtype(self, p) -> torch.dtype:
+        """The dtype of :meth:`_local_value`: fp32 for moments and where the optimizer keeps fp32
+        masters."""
+        fp32_master = getattr(p, "_z3_optimizer", None) is not None if is_zero3(p) else hasattr(p, "_hp_mapping")
+        return torch.float32 if self.state_key is not None or fp32_master else p.dtype
+
+    def _targets(self, name: str) -> list:
+        """This rank's parameters that hold ``name`` (none on another stage; two where a stage holds
+        the word embedding and its tied copy)."""
+        own = [self.params[name]] if name in self.params else []
+        return own + ([self.tied_copy] if name == WORD_EMBEDDING and self.tied_copy is not None else [])
 
     def _tp_partitioned(self, name: str) -> bool:
         """Whether the model holds ``name`` as tensor-parallel shards."""
@@ -136,18 +171,30 @@ class ModelReader(_ModelStream):
 
     def __init__(self, module, cfg: ModelConfig, groups: Groups, **kwargs):
         super().__init__(module, cfg, groups, **kwargs)
-        self.model_names, self.layer_names = _split_names(self.params, cfg)
+        self.model_names, self.layer_names = _split_names(self.names, cfg)
 
     def read_model(self, names: Sequence[str], rows: Optional[Rows] = None) -> dict[str, torch.Tensor]:
         """The full tensors of ``names`` (or, with ``rows``, those rows of each)."""
-        return {name: self._read(name) if rows is None else self._read_rows(name, rows) for name in names}
+        return {name: self._on_every_stage(name, rows) for name in names}
 
     def read_layer(self, layer: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
         prefix = layer_prefix(self.cfg, layer)
-        return {name: self._read(prefix + name) for name in names}
+        return {name: self._on_every_stage(prefix + name) for name in names}
+
+    def _on_every_stage(self, name: str, rows: Optional[Rows] = None) -> torch.Tensor:
+        """Read by this rank, or under pipeline parallelism by the stage holding ``name`` and sent to
+        every stage."""
+        mine = self.stages is None or self.stages.is_mine(name)
+        value = (self._read(name) if rows is None else self._read_rows(name, rows)) if mine else None
+        if self.stages is None:
+            return value
+        device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        return self.stages.broadcast(name, value, None if rows is None else (rows.start, rows.stop), device)
 
     def num_rows(self, name: str) -> int:
         """Rows (dim 0) of the tensor ``read_model`` returns for ``name``."""
+        if self.stages is not None:
+            return self.stages.shapes[name][0][0]
         rows = local_shape(self.params[name])[0]
         return rows * self.groups.tp_size if self._tp_split(name) else rows
 
@@ -179,12 +226,6 @@ class ModelReader(_ModelStream):
                 piece.copy_(self._local_rows(p, lo - t * local, hi - t * local))
             dist.broadcast(piece, group=g.tp_group, group_src=t)
         return out
-
-    def _dtype(self, p) -> torch.dtype:
-        """The dtype of :meth:`_local_value`: fp32 for moments and where the optimizer keeps fp32
-        masters."""
-        fp32_master = getattr(p, "_z3_optimizer", None) is not None if is_zero3(p) else hasattr(p, "_hp_mapping")
-        return torch.float32 if self.state_key is not None or fp32_master else p.dtype
 
     def _local_rows(self, p, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of :meth:`_local_value`, reading no more than those rows."""
@@ -284,9 +325,12 @@ class ModelWriter(_ModelStream):
     def _write_rows(self, name: str, rows: Rows, value: torch.Tensor) -> None:
         """Store this rank's overlap of rows of the full tensor: its tensor-parallel shard's rows
         (vocab-parallel: rank ``t`` holds ``[t * R, (t + 1) * R)``), and under ZeRO-3 only the part
-        of those in its own partition. Nothing is communicated."""
-        assert name in self.params, f"the target model has no parameter {name!r}"
-        p = self.params[name]
+        of those in its own partition (nothing on another pipeline stage). Nothing is communicated."""
+        assert name in self.names, f"the target model has no parameter {name!r}"
+        for p in self._targets(name):
+            self._write_rows_into(p, name, rows, value)
+
+    def _write_rows_into(self, p, name: str, rows: Rows, value: torch.Tensor) -> None:
         _, rule = self.plan.rule(name)
         shape = local_shape(p)
         split = self._tp_split(name)
@@ -335,12 +379,12 @@ class ModelWriter(_ModelStream):
         return shard(full, rule, self.groups.tp_rank, self.groups.tp_size)
 
     def _write(self, values: dict[str, torch.Tensor]) -> None:
-        unknown = sorted(set(values) - set(self.params))
+        unknown = sorted(set(values) - set(self.names))
         assert not unknown, f"the target model has no parameters {unknown}"
-        params = [(self.params[n], self._target(n, t)) for n, t in values.items()]
-        for (p, v), name in zip(params, values):
+        params = [(p, self._target(n, t)) for n, t in values.items() for p in self._targets(n)]
+        for p, v in params:
             expected = tuple(local_shape(p))
-            assert tuple(v.shape) == expected, (name, tuple(v.shape), expected)
+            assert tuple(v.shape) == expected, (tuple(v.shape), expected)
         if self.state_key is not None:
             self._write_state(params)
             return

@@ -56,6 +56,8 @@ def uses_fast_path(level_map: LevelMap, fine: Layout, coarse: Layout) -> bool:
         tp == coarse.tensor_model_parallel_size
         and fine.zero_stage < 3
         and coarse.zero_stage < 3
+        # pipelined: the full path, whose snapshots are spread over every rank, not kept whole per stage
+        and fine.pipeline.size == coarse.pipeline.size == 1
         and all(level_map.shard(r, tp) is not None for r in range(tp))
     )
 
