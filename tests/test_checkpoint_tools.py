@@ -165,7 +165,8 @@ def test_errors(run, tmp_path):
     shutil.copytree(run["fine_tag"], broken)
     next(broken.glob("mp_rank_01_model_states.pt")).unlink()
     result = convert("to-full", broken, tmp_path / "y")
-    assert result.returncode == 2 and "missing the shards of tensor-parallel rank 1" in result.stderr
+    assert result.returncode == 2
+    assert "missing the shards of model-parallel rank 1 (mp_rank_01_*: tensor-parallel rank 1" in result.stderr
     # a target TP size that does not divide the heads
     result = convert("reshard", run["dir"], tmp_path / "z", "--target-tp", 3)
     assert result.returncode == 2 and "--target-tp 3" in result.stderr and "does not divide" in result.stderr

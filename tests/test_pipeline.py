@@ -81,6 +81,7 @@ def test_a_killed_pipelined_run_resumes_on_the_same_trajectory(scratch, corpus, 
         "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
 
 
+@pytest.mark.slow
 def test_bert_over_two_stages(corpus, tmp_path):
     """BERT (its LM head and binary head on the last stage) over two stages: the one-process run."""
     ok(launch(_config(tmp_path, corpus, "ref", kind="bert", gradient_accumulation_steps=2)))
@@ -112,6 +113,7 @@ def test_layouts_a_pipeline_cannot_run_are_refused_in_one_line(corpus, tmp_path,
         LevelEngines(load_config(str(tmp_path / "bad.json")), 2)
 
 
+@pytest.mark.slow
 def test_a_v_cycle_over_two_stages_is_the_one_process_run(reference, corpus, tmp_path):
     """The default test V-cycle (coalescing width and depth: the coarse level's layer pairs (0, 1)
     and (2, 3) sit on one stage each, the fine model's final phase rebuilt from both stages), every
@@ -176,3 +178,21 @@ def test_strategies_over_two_stages_are_the_one_process_run(corpus, tmp_path, mu
     config = run_config(tmp_path, corpus, "run", multilevel=multilevel, parallel=parallel, training=KEEP_ALL)
     ok(launch(_exactly(config, multilevel), "--num_procs", 2))
     assert_close_to_reference(tmp_path / "run", {"dir": tmp_path / "ref"}, abs=2e-4)
+
+
+@pytest.mark.slow
+def test_reshard_from_two_stages_to_one_to_four(scratch, corpus, tmp_path):
+    """A run killed over two stages, resharded to one process and then to four stages (one layer
+    each), the moments the source's exactly at each hop, continues as the one-process run did."""
+    from launch_helpers import convert
+
+    config = _config(tmp_path, corpus, "run", parallel={"pipeline_model_parallel_size": 2},
+                     model={"share_embeddings_and_output_weights": True}, gradient_accumulation_steps=2)
+    assert launch(config, "--num_procs", 2, env={"MEGATRON_MULTILEVEL_CRASH_AT": "step5"}).returncode != 0
+    for source, target, stages, ranks in (("run", "pp1", 1, 1), ("pp1", "pp4", 4, 4)):
+        out = ok(convert("reshard", tmp_path / source, tmp_path / target, "--target-pp", stages, "--num-gpus", ranks,
+                         timeout=900)).stdout
+        assert "phase00-step0000003: optimizer state exp_avg, exp_avg_sq at step 3: the source's, exactly" in out, out
+    resumed = ok(launch(tmp_path / "pp4" / "config.json", "--num_procs", 4)).stdout
+    assert "resuming from phase00-step0000003" in resumed
+    assert_close_to_reference(tmp_path / "pp4", scratch, abs=5e-5)

@@ -95,3 +95,23 @@ def test_init_run_on_two_data_parallel_ranks_under_zero(map_reference, corpus, t
         ok(launch(tmp_path / f"{name}_run" / "config.json", "--num_procs", procs))
         runs[name] = tmp_path / f"{name}_run"
     assert_close_to_reference(runs["two"], {"dir": runs["one"]}, **LAYOUTS)
+
+
+@pytest.mark.slow
+def test_pipeline_2_to_1_to_2_by_2_keeps_the_optimizer(map_reference, corpus, tmp_path):
+    """Killed over two pipeline stages in its coarse phase (the V-cycle's every level at PP 2),
+    resharded to one process and then to two stages on four ranks (two data-parallel replicas of
+    each stage): the moments are the source's exactly each time, and the run continues as the
+    uninterrupted one did."""
+    config = run_config(tmp_path, corpus, "run", parallel={"pipeline_model_parallel_size": 2}, multilevel=MAP,
+                        training=KEEP_ALL)
+    _crash(config, 2)
+    out = ok(convert("reshard", tmp_path / "run", tmp_path / "pp1", "--target-pp", 1, "--num-gpus", 1)).stdout
+    for tag, step in (("phase00-step0000003", 3), ("phase01-step0000003", 6)):
+        assert f"{tag}: optimizer state exp_avg, exp_avg_sq at step {step}: the source's, exactly" in out, out
+    out = ok(convert("reshard", tmp_path / "pp1", tmp_path / "pp2", "--target-pp", 2, "--num-gpus", 4)).stdout
+    assert "phase01-step0000003: optimizer state exp_avg, exp_avg_sq at step 6: the source's, exactly" in out, out
+    assert json.loads((tmp_path / "pp2" / "config.json").read_text())["parallel"]["pipeline_model_parallel_size"] == 2
+    resumed = ok(launch(tmp_path / "pp2" / "config.json", "--num_procs", 4)).stdout
+    assert "resuming from phase01-step0000003" in resumed
+    assert_close_to_reference(tmp_path / "pp2", map_reference, **LAYOUTS)

@@ -2,6 +2,7 @@
 
     python tools/convert_checkpoint.py to-full runs/gpt out/gpt_full                 # any TP, any ZeRO stage
     python tools/convert_checkpoint.py reshard runs/gpt runs/gpt_tp2 --target-tp 2 --num-gpus 16 [--zero-stage 3]
+        [--target-pp 4]
     python tools/convert_checkpoint.py coalesce out/gpt_full out/gpt_coarse [--no-depth] [--width-pairing adjacent]
     python tools/convert_checkpoint.py decoalesce out/gpt_coarse out/gpt_fine        # reuses the recorded grouping
     python tools/convert_checkpoint.py interpolate out/gpt_fine out/gpt_mix --alpha 0.5 --with out/gpt_full
@@ -52,9 +53,12 @@ def parse_args(argv=None):
         c.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
 
     fmt(command("to-full", "a DeepSpeed checkpoint -> one consolidated fp32 checkpoint"))
-    c = command("reshard", "a run -> the same run, optimizer included, at another TP size, number of ranks or ZeRO stage")
+    c = command("reshard", "a run -> the same run, optimizer included, at another TP or PP size, number of ranks "
+                           "or ZeRO stage")
     c.add_argument("--target-tp", "--target_tp", type=int, default=None,
                    help="every level's tensor-parallel size (default: the run's)")
+    c.add_argument("--target-pp", "--target_pp", type=int, default=None,
+                   help="every level's pipeline stages, split evenly (default: the run's)")
     num_gpus(c, "the ranks the run continues on (default: the run's, where the TP sizes divide it)")
     c.add_argument("--zero-stage", "--zero_stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="every level's ZeRO stage (default: the run's)")
@@ -134,7 +138,7 @@ def main(argv=None) -> int:
             convert.to_full(args.source, args.output, fmt=args.format, overwrite=args.overwrite)
         elif args.command == "reshard":
             reshard(args.source, args.output, target_tp=args.target_tp, num_gpus=args.num_gpus,
-                    zero_stage=args.zero_stage, overwrite=args.overwrite)
+                    zero_stage=args.zero_stage, overwrite=args.overwrite, target_pp=args.target_pp)
         elif args.command == "coalesce":
             convert.coalesce_checkpoint(
                 args.source, args.output, width=args.width, depth=args.depth, width_pairing=args.width_pairing,

@@ -1,9 +1,10 @@
 """Read a DeepSpeed checkpoint of this project offline (one process, no GPU).
 
-Every ZeRO stage and tensor-parallel size: for each tensor-parallel rank, the fp32 master
-weights are rebuilt from the ZeRO partitions with DeepSpeed's own ``zero_to_fp32`` merge routines
-(which handle one model-parallel rank at a time) or, without ZeRO, taken from the module states;
-the ranks are then merged with the plan's tensor-parallel layout.
+Every ZeRO stage, tensor-parallel and pipeline-parallel size: for each model-parallel rank (a
+tensor-parallel shard of one pipeline stage), the fp32 master weights are rebuilt from the ZeRO
+partitions with DeepSpeed's own ``zero_to_fp32`` merge routines (which handle one model-parallel
+rank at a time) or, without ZeRO, taken from the module states; a tensor-parallel rank's stages are
+joined under the whole model's layer names, and the ranks merged with the plan's tensor-parallel layout.
 
 Files are read here, never by ``zero_to_fp32`` (which unpickles with ``weights_only=False``):
 ``safe_load`` refuses any file that asks for more than tensors and DeepSpeed's own few classes.
@@ -20,7 +21,9 @@ import torch
 
 from megatron_multilevel.training.safe_load import load_checkpoint_file
 from megatron_multilevel.config import ModelConfig, RunConfig, load_config
+from megatron_multilevel.config.pipeline import PipelineSplit
 from megatron_multilevel.level_maps import LevelMap
+from megatron_multilevel.parallel.stages import TIED_OUTPUT, global_name
 from megatron_multilevel.parallel.tp_layout import unshard
 from megatron_multilevel.plan import is_metadata, parameter_plan
 from megatron_multilevel.training.checkpoint import SIDECAR, checkpoint_dir, read_latest
@@ -39,6 +42,7 @@ class DeepSpeedCheckpoint:
     model: ModelConfig
     tp: int
     zero_stage: int
+    pipeline: PipelineSplit = PipelineSplit()
 
     @property
     def level_maps(self) -> list[LevelMap]:
@@ -65,7 +69,8 @@ def open_checkpoint(source: str) -> DeepSpeedCheckpoint:
     model = config.level_models()[phase.level]
     tp = config.level_tp_sizes()[phase.level]
     stage = _zero_stage(path)
-    return DeepSpeedCheckpoint(path, tag, sidecar, config, phase.level, model, tp, stage)
+    return DeepSpeedCheckpoint(path, tag, sidecar, config, phase.level, model, tp, stage,
+                               config.level_pipelines()[phase.level])
 
 
 def _zero_stage(path: str) -> int:
@@ -77,20 +82,32 @@ def _zero_stage(path: str) -> int:
 
 
 def rank_state_dicts(ckpt: DeepSpeedCheckpoint) -> list[dict[str, torch.Tensor]]:
-    """The fp32 parameters of every tensor-parallel rank (its shards), in rank order."""
+    """The fp32 parameters of every tensor-parallel rank (its shards of every stage, under the whole
+    model's names; a tied embedding's copy on the last stage left out), in rank order."""
+    offsets = ckpt.pipeline.offsets(ckpt.model.num_layers)
     shards = []
     for rank in range(ckpt.tp):
-        tag = f"mp_rank_{rank:02d}"
-        model_files = sorted(glob.glob(os.path.join(ckpt.path, f"*{tag}_model_states.pt")))
-        if not model_files:
-            raise ValueError(f"checkpoint {ckpt.path} is missing the shards of tensor-parallel rank {rank} ({tag}_*)")
-        if ckpt.zero_stage == 0:
-            state = load_checkpoint_file(model_files[0])
-            sd = {k: v.detach().float() for k, v in state["module"].items() if not is_metadata(k)}
-        else:
-            sd = _zero_rank(ckpt, model_files, tag)
-        shards.append(sd)
+        whole = {}
+        for stage, offset in enumerate(offsets):
+            sd = _model_parallel_rank(ckpt, stage * ckpt.tp + rank)
+            if ckpt.pipeline.size > 1 and ckpt.model.share_embeddings_and_output_weights:
+                sd.pop(TIED_OUTPUT, None)
+            whole.update({global_name(name, offset): t for name, t in sd.items()})
+        shards.append(whole)
     return shards
+
+
+def _model_parallel_rank(ckpt: DeepSpeedCheckpoint, rank: int) -> dict[str, torch.Tensor]:
+    """The fp32 parameters one model-parallel rank (``mp_rank_XX``) saved, under its own names."""
+    tag = f"mp_rank_{rank:02d}"
+    model_files = sorted(glob.glob(os.path.join(ckpt.path, f"*{tag}_model_states.pt")))
+    if not model_files:
+        raise ValueError(f"checkpoint {ckpt.path} is missing the shards of model-parallel rank {rank} ({tag}_*: "
+                         f"tensor-parallel rank {rank % ckpt.tp}, pipeline stage {rank // ckpt.tp})")
+    if ckpt.zero_stage == 0:
+        state = load_checkpoint_file(model_files[0])
+        return {k: v.detach().float() for k, v in state["module"].items() if not is_metadata(k)}
+    return _zero_rank(ckpt, model_files, tag)
 
 
 def _zero_rank(ckpt: DeepSpeedCheckpoint, model_files: list[str], tag: str) -> dict[str, torch.Tensor]:

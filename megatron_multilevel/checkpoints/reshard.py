@@ -1,4 +1,4 @@
-"""Reshard a run to another layout (tensor-parallel size, number of ranks, ZeRO stage), so that
+"""Reshard a run to another layout (tensor- or pipeline-parallel size, number of ranks, ZeRO stage), so that
 training continues there as if nothing had changed.
 
 The latest checkpoint and those a resume still needs (the pre-coalescing checkpoints of coarsened
@@ -134,13 +134,19 @@ def rank_worker(rank, world, config_dict, out, items, tokens):
 
 
 def target_config(sidecar: dict, out: str, *, target_tp: Optional[int], num_gpus: Optional[int],
-                  zero_stage: Optional[int]) -> tuple[RunConfig, int]:
+                  zero_stage: Optional[int], target_pp: Optional[int] = None) -> tuple[RunConfig, int]:
     """The run config of the resharded run, and its number of ranks: the source's, with every level
-    at ``target_tp`` and ZeRO stage ``zero_stage`` where given, on ``num_gpus`` ranks (by default the
-    source's number where every level's TP size divides it, else the target TP size), with the
-    source's global batch."""
+    at ``target_tp``, over ``target_pp`` stages (split evenly) and at ZeRO stage ``zero_stage`` where
+    given, on ``num_gpus`` ranks (by default the source's number where every level's TP x PP size
+    divides it, else the largest of those), with the source's global batch."""
     source = load_config(sidecar["config"])
     config = copy.deepcopy(sidecar["config"])
+    if target_pp is not None:
+        stages = {"pipeline_model_parallel_size": target_pp, "num_layers_in_first_pipeline_stage": None,
+                  "num_layers_in_last_pipeline_stage": None}
+        config["parallel"] = {**config.get("parallel", {}), **stages}
+        for level in config.get("multilevel", {}).get("levels", []):
+            level.update({k: None for k in stages})
     if target_tp is not None:
         config["parallel"] = {**config.get("parallel", {}), "tensor_model_parallel_size": target_tp}
         for level in config.get("multilevel", {}).get("levels", []):
@@ -158,14 +164,15 @@ def target_config(sidecar: dict, out: str, *, target_tp: Optional[int], num_gpus
     config["train_batch_size"] = LevelEngines(source, sidecar["world_size"]).global_batch
     config.pop("train_micro_batch_size_per_gpu", None)
     config.setdefault("training", {})["output_dir"] = os.path.abspath(out)
-    what = " ".join(f"--{k} {v}" for k, v in (("target-tp", target_tp), ("zero-stage", zero_stage)) if v is not None)
+    what = " ".join(f"--{k} {v}" for k, v in (("target-tp", target_tp), ("target-pp", target_pp),
+                                                ("zero-stage", zero_stage)) if v is not None)
     try:
         parsed = load_config(config)
     except ValueError as e:
         raise ValueError(f"{what}: {e}" if what else str(e)) from None
-    tps = parsed.level_tp_sizes()
+    sizes = [tp * split.size for tp, split in zip(parsed.level_tp_sizes(), parsed.level_pipelines())]
     if num_gpus is None:
-        num_gpus = sidecar["world_size"] if all(sidecar["world_size"] % tp == 0 for tp in tps) else max(tps)
+        num_gpus = sidecar["world_size"] if all(sidecar["world_size"] % n == 0 for n in sizes) else max(sizes)
     try:
         LevelEngines(parsed, num_gpus)  # every level's TP size and batch fit the ranks
     except ValueError as e:
@@ -174,7 +181,7 @@ def target_config(sidecar: dict, out: str, *, target_tp: Optional[int], num_gpus
 
 
 def reshard(src: str, out: str, *, target_tp: Optional[int] = None, num_gpus: Optional[int] = None,
-            zero_stage: Optional[int] = None, overwrite: bool = False) -> None:
+            zero_stage: Optional[int] = None, overwrite: bool = False, target_pp: Optional[int] = None) -> None:
     found = read_latest(src)
     if found is None:
         raise ValueError(f"{src} is not a run directory with checkpoints (reshard continues a run; "
@@ -182,7 +189,8 @@ def reshard(src: str, out: str, *, target_tp: Optional[int] = None, num_gpus: Op
     if num_gpus is not None and num_gpus < 1:
         raise ValueError(f"--num-gpus must be a positive integer, got {num_gpus}")
     latest_tag, sidecar = found
-    parsed, world = target_config(sidecar, out, target_tp=target_tp, num_gpus=num_gpus, zero_stage=zero_stage)
+    parsed, world = target_config(sidecar, out, target_tp=target_tp, num_gpus=num_gpus, zero_stage=zero_stage,
+                                  target_pp=target_pp)
     config = config_to_dict(parsed)
     prepare_output(out, overwrite, src)
     state = state_of(sidecar)
@@ -210,7 +218,8 @@ def reshard(src: str, out: str, *, target_tp: Optional[int] = None, num_gpus: Op
     tp = parsed.level_tp_sizes()[0]
     written = run_ranks(rank_worker, world, config, os.path.abspath(out), payload, tokens,
                         tensor_model_parallel_size=tp)[0]
-    layout = f"TP={tp}, {world} rank(s)"
+    pp = parsed.level_pipelines()[0].size
+    layout = f"TP={tp}{f', PP={pp}' * (pp > 1)}, {world} rank(s)"
     for tag, item in zip(tags, items):
         if not item["moments"]:
             continue

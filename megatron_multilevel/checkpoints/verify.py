@@ -12,6 +12,7 @@ from megatron_multilevel.config.parsing import parse_dataclass
 from megatron_multilevel.distributed import init_single_process, set_tensor_model_parallel_size
 from megatron_multilevel.level_maps import LayerSelection
 from megatron_multilevel.models import build_model, load_parameters, model_logits
+from megatron_multilevel.training.pipeline import PipelineStep
 from megatron_multilevel.parallel.spawn import run_ranks
 from megatron_multilevel.residual_step import set_residual_step
 
@@ -56,7 +57,10 @@ def gathered_logits(model, cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tens
 
     model.eval()
     with torch.no_grad():
-        local = model_logits(model, cfg, tokens).float().contiguous()
+        if ps.get_pipeline_model_parallel_world_size() > 1:  # through the stages, on every stage
+            local = PipelineStep(cfg, tokens.shape[1], tokens.shape[0]).logits(model, tokens)
+        else:
+            local = model_logits(model, cfg, tokens).float().contiguous()
     tp = ps.get_tensor_model_parallel_world_size()
     if tp == 1:
         return local

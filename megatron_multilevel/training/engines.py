@@ -110,7 +110,9 @@ class LevelEngines:
         """The options of ``convert_checkpoint.py reshard`` that write a run for this layout."""
         levels = range(len(self.tp_sizes))
         tps, stages = set(self.tp_sizes), {self.layout(level).zero_stage for level in levels}
+        pps = {split.size for split in self.pipelines}
         return " ".join([f"--num-gpus {self.world_size}"] + [f"--target-tp {tp}" for tp in tps if len(tps) == 1]
+                        + [f"--target-pp {pp}" for pp in pps if len(pps) == 1 and pp > 1]
                         + [f"--zero-stage {stage}" for stage in stages if len(stages) == 1])
 
     def params_dtype(self, level: int) -> torch.dtype:

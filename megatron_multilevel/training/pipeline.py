@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_multilevel.config import ModelConfig
 from megatron_multilevel.data.datasets import Batch
-from megatron_multilevel.models import masked_mean, token_losses
+from megatron_multilevel.models import masked_mean, model_logits, token_losses
 
 
 def set_up_pipelined_engine(engine) -> None:
@@ -69,6 +69,26 @@ class PipelineStep:
         for r in store:
             total += torch.stack([r["sum"], r["count"]]).double()
         return _from_last_stage(total, ps)
+
+    @torch.no_grad()
+    def logits(self, module, tokens: torch.Tensor) -> torch.Tensor:
+        """The logits ``[b, s, vocab / tp]`` of ``tokens`` (one micro-batch through the stages), on
+        every stage."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        cfg = self.cfg
+
+        def forward_step(data_iterator, model):
+            out = model_logits(model, cfg, next(data_iterator))
+            return out, lambda logits: (logits.float().sum() * 0, {"logits": logits.float()})
+
+        store = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([tokens]), model=[module], num_microbatches=1,
+            seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0], forward_only=True)
+        shape = (*tokens.shape, cfg.vocab_size // ps.get_tensor_model_parallel_world_size())
+        value = store[0]["logits"].contiguous() if store else torch.empty(shape, device=_device())
+        return _from_last_stage(value, ps)
 
     def _schedule(self, module, batches: Sequence[Batch], *, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
