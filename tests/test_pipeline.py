@@ -44,6 +44,7 @@ def test_two_stages_are_the_one_process_run(scratch, corpus, tmp_path):
     config = _config(tmp_path, corpus, "run", parallel={"pipeline_model_parallel_size": 2},
                      model={"share_embeddings_and_output_weights": True}, gradient_accumulation_steps=2)
     out = ok(launch(config, "--num_procs", 2)).stdout
+    assert "levels: 4x64 (PP 2: bubble 33%)" in out, out[:2000]  # 1F1B's idle share, (p - 1) / (m + p - 1)
     assert_close_to_reference(tmp_path / "run", scratch, abs=2e-5)
 
 
@@ -99,6 +100,8 @@ def test_bert_over_two_stages(corpus, tmp_path):
     ({"parallel": {"pipeline_model_parallel_size": 2, "num_layers_in_first_pipeline_stage": 4}},
      "4 layers do not split over 2 stages with first stage 4"),
     ({"parallel": {"pipeline_model_parallel_size": 4}}, "does not divide the world size 2"),
+    ({"multilevel": {"enabled": True, "strategy": "ode", "ode": {"coherence": "first_order", "line_search": True}}},
+     "coherence = 'first_order' takes the coarse model's gradient outside the training step"),
 ])
 def test_layouts_a_pipeline_cannot_run_are_refused_in_one_line(corpus, tmp_path, change, message):
     from megatron_multilevel.config import load_config
@@ -139,6 +142,7 @@ GSTACK = {"cycle": "grow", "num_levels": 3, "alpha": 1.0, "coalesce_width": Fals
                       "pipeline_model_parallel_size": 1}]}
 ODE = {"enabled": True, "strategy": "ode", "ode": {
     "cycles": 2, "pre_steps": 2, "coarse_steps": 3, "post_steps": 2, "final_steps": 2, "optimizer_state": "map",
+    "line_search": True,
     "fine_lr": {"peak": 2e-3, "decay": "constant"}, "coarse_lr": {"peak": 4e-3, "decay": "constant"},
     "final_lr": {"peak": 1e-3, "decay": "constant"}}}
 
@@ -166,7 +170,8 @@ def _levels_at(multilevel: dict, *sizes) -> dict:
     pytest.param(MSG, {"pipeline_model_parallel_size": 2}, id="msg", marks=pytest.mark.slow),
     # a one-layer model (one stage) stacked into two stages, then four layers over two
     pytest.param(GSTACK, {"pipeline_model_parallel_size": 2}, id="gstack", marks=pytest.mark.slow),
-    # every other layer kept (layers 0 and 2: one on each stage), the change written back
+    # every other layer kept (layers 0 and 2: one on each stage), the change written back after the
+    # line search (the fine model's loss through the stages)
     pytest.param(ODE, {"pipeline_model_parallel_size": 2}, id="ode", marks=pytest.mark.slow),
 ])
 def test_strategies_over_two_stages_are_the_one_process_run(corpus, tmp_path, multilevel, parallel):

@@ -90,3 +90,18 @@ def check_pipeline_deepspeed(split: PipelineSplit, deepspeed: dict, level: int) 
         raise ValueError(f"level {level}: pipeline_model_parallel_size = {split.size} with bf16 needs ZeRO stage 1 "
                          f"(DeepSpeed's bf16 optimizer without ZeRO reduces gradients inside its own backward "
                          f"pass); set zero_optimization.stage to 1")
+
+
+def check_pipeline_method(ml, split: PipelineSplit, level: int) -> None:
+    """The parts of a multilevel run (``ml``: its ``multilevel`` block) that need a level's whole
+    model in one process's forward and backward, refused in one line at a pipelined level."""
+    if split.size == 1 or not ml.enabled:
+        return
+    if ml.strategy == "coalesce" and ml.growth_operator == "ligo":
+        raise ValueError(f"multilevel.growth_operator 'ligo' trains its operator through the whole grown model in "
+                         f"one pass; level {level} is split over {split.size} pipeline stages (valid there: "
+                         f"pipeline_model_parallel_size 1, or another growth_operator)")
+    if ml.strategy == "ode" and ml.ode is not None and ml.ode.coherence != "none":
+        raise ValueError(f"multilevel.ode.coherence = {ml.ode.coherence!r} takes the coarse model's gradient "
+                         f"outside the training step; level {level} is split over {split.size} pipeline stages "
+                         f"(valid there: 'none')")

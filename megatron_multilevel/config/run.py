@@ -33,7 +33,7 @@ from megatron_multilevel.config.model import (
 )
 from megatron_multilevel.config.multilevel import MultilevelConfig
 from megatron_multilevel.config.optimizers import check_optimizers
-from megatron_multilevel.config.pipeline import PipelineSplit, check_pipeline_deepspeed
+from megatron_multilevel.config.pipeline import PipelineSplit, check_pipeline_deepspeed, check_pipeline_method
 from megatron_multilevel.config.parallel import (
     ParallelConfig,
     check_sequence_parallel_supported,
@@ -94,6 +94,7 @@ class RunConfig:
                     raise ValueError(f"multilevel.growth_operator 'ligo' trains its operator on the grown level's "
                                      f"whole layers, which ZeRO-3 partitions; level {level} runs ZeRO stage 3 "
                                      f"(valid choices there: 0, 1, 2)")
+
 
     def _check_unused_rate(self) -> None:
         """A multilevel run trains at its levels' schedules, not at ``optimizer.params.lr``: a rate
@@ -295,6 +296,7 @@ class RunConfig:
             own = ml.enabled and ml.strategy == "coalesce" and ml.levels[level].pipeline_model_parallel_size
             split.stage_layers(model.num_layers, f"multilevel.levels.{level}" if own else "parallel")
             check_pipeline_deepspeed(split, self.level_deepspeed(level), level)
+            check_pipeline_method(ml, split, level)
 
     def level_sequence_parallel(self) -> list[bool]:
         """Whether every level runs sequence-parallel (``parallel.sequence_parallel`` resolved at its TP size)."""

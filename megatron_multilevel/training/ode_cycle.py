@@ -243,8 +243,11 @@ class OdeCycle:
         ctx = self.ctx
         engine.eval()
         total = torch.zeros((), dtype=torch.float64, device=next(engine.module.parameters()).device)
-        for micro in range(ctx.levels.accumulation):
-            total += ctx.loss(0, ctx.batch(ctx.data.train, 0, step, micro), engine).double()
+        batches = [ctx.batch(ctx.data.train, 0, step, micro) for micro in range(ctx.levels.accumulation)]
+        if ctx.levels.pipelined(0):  # through the stages: the sum of the micro-batches' means
+            total += ctx.levels.pipeline_step(0, ctx.seq).evaluate(engine.module, batches)[2]
+        for batch in batches if not ctx.levels.pipelined(0) else []:
+            total += ctx.loss(0, batch, engine).double()
         engine.train()
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
         value = total.item() / ctx.levels.accumulation / parallel_state.get_data_parallel_world_size()

@@ -61,13 +61,14 @@ class PipelineStep:
 
     @torch.no_grad()
     def evaluate(self, module, batches: Sequence[Batch]) -> torch.Tensor:
-        """``[sum of the losses, number of tokens]`` of ``batches`` (forward only), on every stage."""
+        """``[sum of the losses, number of tokens, sum of the micro-batches' mean losses]`` of
+        ``batches`` (forward only), on every stage."""
         from megatron.core import parallel_state as ps
 
         store = self._schedule(module, batches, forward_only=True)
-        total = torch.zeros(2, dtype=torch.float64, device=_device())
+        total = torch.zeros(3, dtype=torch.float64, device=_device())
         for r in store:
-            total += torch.stack([r["sum"], r["count"]]).double()
+            total += torch.stack([r["sum"], r["count"], r["loss"]]).double()
         return _from_last_stage(total, ps)
 
     @torch.no_grad()

@@ -177,7 +177,7 @@ class Trainer:
         for b in range(batches or self.cfg.training.eval_batches):
             micro = [self.ctx.batch(self.ctx.data.valid, level, b, m) for m in range(self.levels.accumulation)]
             if self.levels.pipelined(level):
-                total += self.levels.pipeline_step(level, self.ctx.seq).evaluate(self.engine.module, micro)
+                total += self.levels.pipeline_step(level, self.ctx.seq).evaluate(self.engine.module, micro)[:2]
                 continue
             for batch in micro:
                 count = batch.loss_mask.sum()
@@ -356,8 +356,9 @@ class Trainer:
         self.ctx.metrics.say(
             f"{len(self.phases)} phase(s), {self.ctx.total_steps} steps of {self.levels.global_batch} x {self.ctx.seq} "
             f"tokens on {dist.get_world_size()} rank(s); levels: "
-            + ", ".join(f"{m.num_layers}x{m.hidden_size}{_layout_note(tp, sp)}" for m, tp, sp in
-                        zip(self.levels.models, self.cfg.level_tp_sizes(), self.cfg.level_sequence_parallel()))
+            + ", ".join(f"{m.num_layers}x{m.hidden_size}{_layout_note(tp, sp, pp.size, self.levels.accumulation)}"
+                        for m, tp, sp, pp in zip(self.levels.models, self.cfg.level_tp_sizes(),
+                                                 self.cfg.level_sequence_parallel(), self.cfg.level_pipelines()))
         )
         state = self.ctx.state
         while state.phase < len(self.phases):
@@ -408,8 +409,10 @@ class Trainer:
         return summary
 
 
-def _layout_note(tp: int, sequence_parallel: bool) -> str:
-    """`` (TP 2, sequence-parallel)`` for the run's opening line; nothing at TP 1."""
-    if tp == 1:
-        return ""
-    return f" (TP {tp}{', sequence-parallel' if sequence_parallel else ''})"
+def _layout_note(tp: int, sequence_parallel: bool, pp: int = 1, micro_batches: int = 1) -> str:
+    """`` (TP 2, sequence-parallel, PP 2: bubble 33%)`` for the run's opening line; nothing at TP 1
+    and PP 1. The bubble is the share of a 1F1B step a stage idles, (p - 1) / (m + p - 1)."""
+    parts = [f"TP {tp}"] * (tp > 1) + ["sequence-parallel"] * (tp > 1 and sequence_parallel)
+    if pp > 1:
+        parts.append(f"PP {pp}: bubble {(pp - 1) / (micro_batches + pp - 1):.0%}")
+    return f" ({', '.join(parts)})" if parts else ""
