@@ -54,14 +54,31 @@ def _walk(path: Path) -> list[dict[int, "str | None"]]:
     return out
 
 
+def _pipeline_sizes(path: Path) -> list[int]:
+    """The pipeline sizes of ``TP_SIZES`` that config validation accepts for every level at once
+    (``parallel.pipeline_model_parallel_size``, split evenly, the rest as shipped)."""
+    accepted = []
+    for pp in TP_SIZES:
+        try:
+            load_config(apply_overrides(json.loads(path.read_text()), [f"parallel.pipeline_model_parallel_size={pp}"]))
+        except ValueError:
+            continue
+        accepted.append(pp)
+    return accepted
+
+
 def layout_table() -> str:
-    """The markdown table of docs/layouts.md: the TP sizes of ``TP_SIZES`` each level accepts."""
+    """The markdown table of docs/layouts.md: the TP sizes of ``TP_SIZES`` each level accepts, and
+    the pipeline sizes every level accepts together."""
     walks = {path.name: _walk(path) for path in CONFIGS}
     width = max(len(levels) for levels in walks.values())
-    rows = ["| config | " + " | ".join(f"level {i}" for i in range(width)) + " |", "|---" * (width + 1) + "|"]
-    for name, levels in walks.items():
+    rows = ["| config | " + " | ".join(f"level {i} TP" for i in range(width)) + " | PP (every level) |",
+            "|---" * (width + 2) + "|"]
+    for path in CONFIGS:
+        levels = walks[path.name]
         cells = [", ".join(str(tp) for tp, error in lv.items() if error is None) for lv in levels]
-        rows.append(f"| `{name}` | " + " | ".join(cells + ["-"] * (width - len(cells))) + " |")
+        pipeline = ", ".join(map(str, _pipeline_sizes(path)))
+        rows.append(f"| `{path.name}` | " + " | ".join(cells + ["-"] * (width - len(cells)) + [pipeline]) + " |")
     return "\n".join(rows)
 
 
