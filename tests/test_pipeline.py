@@ -201,3 +201,79 @@ def test_reshard_from_two_stages_to_one_to_four(scratch, corpus, tmp_path):
     resumed = ok(launch(tmp_path / "pp4" / "config.json", "--num_procs", 4)).stdout
     assert "resuming from phase00-step0000003" in resumed
     assert_close_to_reference(tmp_path / "pp4", scratch, abs=5e-5)
+
+
+def _transition_worker(rank, world, coarse_stages):
+    """Coalesce (width and depth, layers ``i`` and ``i + 2`` paired: on different stages) a 4-layer
+    GPT held over two stages into a coarse level over ``coarse_stages`` stages, and prolong it back;
+    each against the operators on the full tensors in one process. Also the largest tensor any
+    stage sent another, and the largest parameter of one layer."""
+    import functools
+
+    import torch.distributed as dist
+
+    from megatron_multilevel.config import ModelConfig
+    from megatron_multilevel.config.pipeline import PipelineSplit
+    from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
+    from megatron_multilevel.level_maps import make_level_map
+    from megatron_multilevel.models import build_model, parameter_state_dict
+    from megatron_multilevel.operators import coalesce, decoalesce, interpolate
+    from megatron_multilevel.parallel.staging import Layout, copy_stream
+    from megatron_multilevel.parallel.streams import Groups, ModelReader, ModelWriter, TensorsReader, TensorsWriter
+    from megatron_multilevel.parallel.transition import coarsen, prolong
+    from megatron_multilevel.training.engines import build_empty_model
+
+    cfg = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, max_sequence_length=16,
+                      share_embeddings_and_output_weights=True)
+    lm = make_level_map(cfg, depth_pairing="halves")
+    set_tensor_model_parallel_size(1)
+    set_seed(3)
+    full = {k: v.clone() for k, v in parameter_state_dict(build_model(cfg)).items()}
+    fine_layout, coarse_layout = Layout(1, 0, PipelineSplit(2)), Layout(1, 0, PipelineSplit(coarse_stages))
+
+    def whole(model, model_cfg):
+        collected = TensorsWriter(model_cfg)
+        copy_stream(ModelReader(model, model_cfg, Groups.current()), collected, model_cfg.num_layers)
+        return collected.tensors
+
+    fine = build_empty_model(cfg, fine_layout)
+    copy_stream(TensorsReader(full, cfg), ModelWriter(fine, cfg, Groups.current()), cfg.num_layers)
+    sent = []
+    broadcast = dist.broadcast
+
+    def recorded(tensor, *args, **kwargs):
+        sent.append(tensor.numel())
+        return broadcast(tensor, *args, **kwargs)
+
+    dist.broadcast = recorded
+    try:
+        staged, before = coarsen(fine, lm, fine_layout=fine_layout, coarse_layout=coarse_layout,
+                                 build_target=functools.partial(build_empty_model, lm.coarse, coarse_layout))
+        coarse_full = whole(staged.model, lm.coarse)
+        back = prolong(staged.model, before, lm, 0.5, coarse_layout=coarse_layout, fine_layout=fine_layout,
+                       build_target=functools.partial(build_empty_model, cfg, fine_layout))
+    finally:
+        dist.broadcast = broadcast
+    fine_full = whole(back.model, cfg)
+
+    def diff(a, b):
+        assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+        return max((a[k] - b[k]).abs().max().item() for k in a)
+
+    layer = max(v.numel() for k, v in full.items() if ".layers." in k)
+    return {"coalesce": diff(coarse_full, coalesce(full, lm)),
+            "prolong": diff(fine_full, interpolate(full, decoalesce(coalesce(full, lm), lm), 0.5)),
+            "largest_sent": max(sent), "largest_layer_tensor": layer,
+            "embedding": full["embedding.word_embeddings.weight"].numel()}
+
+
+@pytest.mark.parametrize("coarse_stages", [2, 1])
+def test_a_transition_across_stages_is_the_operators_on_full_tensors(tmp_path, coarse_stages):
+    """Pairs that cross the stages, coarse level over two stages or one: coalesce and prolong equal
+    the one-process operators to 1e-6 on every rank; the most any stage sends another at once is one
+    tensor of one layer (the vocabulary moves in slabs no larger), whatever the model's depth."""
+    from distributed_helpers import run_ranks
+
+    for result in run_ranks(_transition_worker, 2, tmp_path, coarse_stages):
+        assert result["coalesce"] < 1e-6 and result["prolong"] < 1e-6, result
+        assert result["largest_sent"] <= result["largest_layer_tensor"], result
