@@ -103,20 +103,20 @@ MUTATIONS = [
                "                    p.data.add_(1e-3)\n"),),
              ("tests/test_pretrain.py::test_bert_two_processes_tensor_parallel",)),
     Mutation("reader-swap-bert-fc2", "the DeepSpeed checkpoint reader swaps BERT's linear_fc2 of layers 0 and 1",
-             ((READER, "        shards.append(sd)\n    return shards",
+             ((READER, "        shards.append(whole)\n    return shards",
                "        for key in ('weight', 'bias'):\n"
                "            a, b = (f'encoder.layers.{i}.mlp.linear_fc2.{key}' for i in (0, 1))\n"
-               "            if a in sd and b in sd:\n"
-               "                sd[a], sd[b] = sd[b], sd[a]\n"
-               "        shards.append(sd)\n    return shards"),),
+               "            if a in whole and b in whole:\n"
+               "                whole[a], whole[b] = whole[b], whole[a]\n"
+               "        shards.append(whole)\n    return shards"),),
              ("tests/test_pretrain.py::test_bert_to_hf_computes_the_megatron_models_logits",)),
     Mutation("reader-swap-fc2", "(d) the DeepSpeed checkpoint reader swaps linear_fc2 of layers 0 and 1",
-             ((READER, "        shards.append(sd)\n    return shards",
+             ((READER, "        shards.append(whole)\n    return shards",
                "        for key in ('weight', 'bias'):\n"
                "            a, b = (f'decoder.layers.{i}.mlp.linear_fc2.{key}' for i in (0, 1))\n"
-               "            if a in sd and b in sd:\n"
-               "                sd[a], sd[b] = sd[b], sd[a]\n"
-               "        shards.append(sd)\n    return shards"),),
+               "            if a in whole and b in whole:\n"
+               "                whole[a], whole[b] = whole[b], whole[a]\n"
+               "        shards.append(whole)\n    return shards"),),
              tuple(CONSOLIDATION)),
     Mutation("coherence-sign", "the ODE strategy installs its coherence term with the wrong sign",
              (("megatron_multilevel/parallel/coherence.py",
@@ -269,6 +269,16 @@ MUTATIONS = [
              (("megatron_multilevel/training/trainer.py", "        if changes and not self.allow_config_change:",
                "        if False:"),),
              ("tests/test_config_drift.py",)),
+    Mutation("pipeline-tied-grads-unsummed", "a pipelined step leaves each copy of the tied word embedding its own "
+             "gradient", (("megatron_multilevel/training/pipeline.py", "        _sum_tied_embedding_grads(engine.module)\n",
+                           ""),),
+             ("tests/test_pipeline.py::test_two_stages_are_the_one_process_run",)),
+    Mutation("pipeline-unclipped", "a pipelined level without ZeRO never clips its gradients",
+             (("megatron_multilevel/training/pipeline.py", "        if self.clip > 0:", "        if False:"),),
+             ("tests/test_pipeline.py::test_two_stages_are_the_one_process_run",)),
+    Mutation("stages-local-names", "a stage's layers keep their own numbering in the streams",
+             (("megatron_multilevel/parallel/stages.py", "int(m.group(2)) + offset", "int(m.group(2))"),),
+             ("tests/test_pipeline.py::test_a_transition_across_stages_is_the_operators_on_full_tensors",)),
 ]
 
 def copy_repository(into: Path) -> Path:

@@ -127,7 +127,7 @@ def test_a_v_cycle_over_two_stages_is_the_one_process_run(reference, corpus, tmp
 
 
 # the growth methods and strategies, each against its own one-process run
-HALVES = {"depth_pairing": "halves", "levels": [
+HALVES = {"depth_pairing": "halves", "width_pairing": "adjacent", "levels": [
     {"steps_before": 3, "lr_before": {"peak": 2e-3, "warmup_steps": 2},
      "steps_after": 5, "lr_after": {"peak": 2e-3, "warmup_steps": 1}},
     {"steps_before": 5, "lr_before": {"peak": 4e-3}}]}
@@ -175,13 +175,19 @@ def _levels_at(multilevel: dict, *sizes) -> dict:
     pytest.param(ODE, {"pipeline_model_parallel_size": 2}, id="ode", marks=pytest.mark.slow),
 ])
 def test_strategies_over_two_stages_are_the_one_process_run(corpus, tmp_path, multilevel, parallel):
-    one = {k: v for k, v in multilevel.items()}
+    _against_one_process(corpus, tmp_path, multilevel, parallel, procs=2)
+
+
+def _against_one_process(corpus, tmp_path, multilevel: dict, parallel: dict, procs: int) -> None:
+    """``multilevel`` run on ``procs`` ranks laid out by ``parallel`` (and its levels' own stages)
+    against the same run in one process."""
+    one = dict(multilevel)
     if "levels" in one:
         one["levels"] = [{k: v for k, v in level.items() if k != "pipeline_model_parallel_size"}
                          for level in one["levels"]]
     ok(launch(_exactly(run_config(tmp_path, corpus, "ref", multilevel=one, training=KEEP_ALL), one)))
     config = run_config(tmp_path, corpus, "run", multilevel=multilevel, parallel=parallel, training=KEEP_ALL)
-    ok(launch(_exactly(config, multilevel), "--num_procs", 2))
+    ok(launch(_exactly(config, multilevel), "--num_procs", procs))
     assert_close_to_reference(tmp_path / "run", {"dir": tmp_path / "ref"}, abs=2e-4)
 
 
@@ -277,3 +283,31 @@ def test_a_transition_across_stages_is_the_operators_on_full_tensors(tmp_path, c
     for result in run_ranks(_transition_worker, 2, tmp_path, coarse_stages):
         assert result["coalesce"] < 1e-6 and result["prolong"] < 1e-6, result
         assert result["largest_sent"] <= result["largest_layer_tensor"], result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("crash_at", ["transition1", "transition2"])
+def test_a_pipelined_v_cycle_killed_in_a_transition_resumes_on_the_same_trajectory(reference, corpus, tmp_path,
+                                                                                 crash_at):
+    """The test V-cycle over two stages, killed while coalescing (transition1) or de-coalescing
+    (transition2) across the stages, resumed: the one-process run's losses."""
+    config = run_config(tmp_path, corpus, "run", parallel={"pipeline_model_parallel_size": 2}, training=KEEP_ALL)
+    crashed = launch(config, "--num_procs", 2, env={"MEGATRON_MULTILEVEL_CRASH_AT": crash_at})
+    assert crashed.returncode != 0
+    resumed = ok(launch(config, "--num_procs", 2))
+    assert "resuming from" in resumed.stdout and "is damaged" not in resumed.stdout
+    assert_close_to_reference(tmp_path / "run", reference, abs=2e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("multilevel, parallel", [
+    pytest.param(_levels_at(HALVES, 2, 1), {"tensor_model_parallel_size": 2}, id="v-cycle-tp2-pp2-to-tp2-dp2"),
+    pytest.param(MSG, {"pipeline_model_parallel_size": 2}, id="msg-pp2-dp2"),
+    pytest.param(_levels_at(MSG, 4, 2), {}, id="msg-pp4-from-pp2-dp2"),
+    pytest.param(ODE, {"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 2}, id="ode-tp2-pp2"),
+])
+def test_strategies_on_four_ranks_are_the_one_process_run(corpus, tmp_path, multilevel, parallel):
+    """On four ranks: a V-cycle at TP 2 x PP 2 whose coarse level drops to TP 2 x DP 2, MSG at PP 2 x
+    DP 2, MSG grown from a small model at PP 2 x DP 2 into the full one at PP 4, the ODE strategy at
+    TP 2 x PP 2: each its one-process run."""
+    _against_one_process(corpus, tmp_path, multilevel, parallel, procs=4)

@@ -34,8 +34,8 @@ def init_run(src: str, config_path: str, out: str, *, num_gpus: Optional[int] = 
         config = json.load(f)
     config.setdefault("training", {})["output_dir"] = os.path.abspath(out)
     cfg = load_config(config)
-    tp = cfg.level_tp_sizes()[0]
-    world = tp if num_gpus is None else num_gpus
+    tp, pp = cfg.level_tp_sizes()[0], cfg.level_pipelines()[0].size
+    world = tp * pp if num_gpus is None else num_gpus
     try:
         levels = LevelEngines(cfg, world)  # every level's TP size and the batch fit the ranks
     except ValueError as e:

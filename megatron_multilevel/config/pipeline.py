@@ -66,6 +66,25 @@ class PipelineSplit(NamedTuple):
         return out
 
 
+def level_splits(parallel, ml) -> list[PipelineSplit]:
+    """The stages of every level of a run with the ``parallel`` and ``multilevel`` blocks ``parallel``
+    and ``ml``: a level's own keys, else the ``parallel`` block's size (and, at level 0, its split)."""
+    fine = PipelineSplit(parallel.pipeline_model_parallel_size, parallel.num_layers_in_first_pipeline_stage,
+                         parallel.num_layers_in_last_pipeline_stage)
+    if not ml.enabled:
+        return [fine]
+    if ml.strategy == "ode":
+        return [fine, PipelineSplit(parallel.pipeline_model_parallel_size)]
+    splits = []
+    for level, lv in enumerate(ml.levels):
+        first, last = (fine.first, fine.last) if level == 0 else (None, None)
+        splits.append(PipelineSplit(
+            lv.pipeline_model_parallel_size or parallel.pipeline_model_parallel_size,
+            first if lv.num_layers_in_first_pipeline_stage is None else lv.num_layers_in_first_pipeline_stage,
+            last if lv.num_layers_in_last_pipeline_stage is None else lv.num_layers_in_last_pipeline_stage))
+    return splits
+
+
 # Under pipeline parallelism the backward pass runs in Megatron-Core's schedule, outside
 # DeepSpeed's engine: ZeRO stages that partition gradients or parameters during it cannot follow.
 PIPELINE_ZERO_STAGES = (0, 1)

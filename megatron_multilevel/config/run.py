@@ -33,7 +33,12 @@ from megatron_multilevel.config.model import (
 )
 from megatron_multilevel.config.multilevel import MultilevelConfig
 from megatron_multilevel.config.optimizers import check_optimizers
-from megatron_multilevel.config.pipeline import PipelineSplit, check_pipeline_deepspeed, check_pipeline_method
+from megatron_multilevel.config.pipeline import (
+    PipelineSplit,
+    check_pipeline_deepspeed,
+    check_pipeline_method,
+    level_splits,
+)
 from megatron_multilevel.config.parallel import (
     ParallelConfig,
     check_sequence_parallel_supported,
@@ -274,21 +279,7 @@ class RunConfig:
 
     def level_pipelines(self) -> list[PipelineSplit]:
         """The pipeline stages of every level (level 0 takes the ``parallel`` block's uneven split)."""
-        par, ml = self.parallel, self.multilevel
-        fine = PipelineSplit(par.pipeline_model_parallel_size, par.num_layers_in_first_pipeline_stage,
-                             par.num_layers_in_last_pipeline_stage)
-        if not ml.enabled:
-            return [fine]
-        if ml.strategy == "ode":
-            return [fine, PipelineSplit(par.pipeline_model_parallel_size)]
-        splits = []
-        for level, lv in enumerate(ml.levels):
-            first, last = (fine.first, fine.last) if level == 0 else (None, None)
-            splits.append(PipelineSplit(
-                lv.pipeline_model_parallel_size or par.pipeline_model_parallel_size,
-                first if lv.num_layers_in_first_pipeline_stage is None else lv.num_layers_in_first_pipeline_stage,
-                last if lv.num_layers_in_last_pipeline_stage is None else lv.num_layers_in_last_pipeline_stage))
-        return splits
+        return level_splits(self.parallel, self.multilevel)
 
     def _check_pipelines(self) -> None:
         ml = self.multilevel
