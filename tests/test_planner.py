@@ -63,16 +63,25 @@ def test_the_advice():
     other = {**SCHEDULE, "coarse_share": 0.5}
     points = [point("a", 1e6, 0.1, 0.40), point("b", 1e6, 1.0, 0.30), point("c", 1e6, 10.0, 0.20, schedule=other),
               point("d", 1e6, 100.0, 0.10, schedule=other), point("e", 1e6, 1000.0, 0.0)]
-    result = plan(points, 1e6, 5e6)  # 5 tokens per parameter: nearest is c
+    result = plan(points, 1e6, 5e6, bar=0.0)  # 5 tokens per parameter: nearest is c
     assert result["advice"] == "multilevel" and result["from_point"] == "c" and result["schedule"] == other
     assert result["saving"] == pytest.approx(0.3 - 0.1 * math.log10(5), abs=1e-9)  # the points' own line
+    # the bar: 0.230 expected, advised at a bar of 0.2, not at the default 0.25 (then scratch, with the
+    # schedule that fell short named as the candidate)
+    assert result["candidate"] is None and plan(points, 1e6, 5e6, bar=0.2)["advice"] == "multilevel"
+    short = plan(points, 1e6, 5e6)
+    assert short["advice"] == "scratch" and short["bar"] == 0.25 and short["schedule"] == other
+    assert short["candidate"] == {"advice": "multilevel", "saving": pytest.approx(0.3 - 0.1 * math.log10(5))}
+    assert plan(points, 1e6, 5e5)["advice"] == "multilevel"  # 0.5 tokens per parameter: 0.330 expected
+    with pytest.raises(ValueError, match="bar"):
+        plan(points, 1e6, 5e6, bar=25)
     assert plan(points, 1e6, 1e11)["advice"] == "scratch"  # 1e5 tokens per parameter: about -0.1
     uncertain = plan(points + [point("f", 1e6, 3.0, 0.5)], 1e6, 3e9)  # 3000: an interval across zero
     assert uncertain["saving"] - uncertain["interval"] < 0 < uncertain["saving"] + uncertain["interval"]
     assert uncertain["advice"] == "scratch"  # not shown to pay
     controlled = points + [point("ctl", 1e6, 2.0, None, suffices=True)]
     assert plan(controlled, 1e6, 1e6)["advice"] == "smaller model"  # 1 token per parameter, under 2
-    assert plan(controlled, 1e6, 5e6)["advice"] == "multilevel"  # beyond where the control was run
+    assert plan(controlled, 1e6, 5e6, bar=0.0)["advice"] == "multilevel"  # beyond where the control was run
     with pytest.raises(ValueError, match="positive"):
         plan(points, 0, 1e6)
 
@@ -97,9 +106,11 @@ def _study(tmp_path, rows):
 def _row(name, parameters, tpp, saving, schedule=SCHEDULE, stacking=None):
     eq = {"median": saving, "min": saving, "max": saving}
     return {"point": name, "shape": "4x64", "parameters": parameters, "tokens_per_parameter": tpp,
+            "scratch_final_loss": 2.0,
             "methods": {"fcycle2": {"family": "fcycle", "equal_quality": eq, "schedule": schedule,
                                     "smaller_model_suffices": None},
-                        "stacking": {"family": "stacking", "equal_quality": {"median": stacking}},
+                        "stacking": {"family": "stacking", "equal_quality": {"median": stacking},
+                                     "final_valid_loss": 1.99 if stacking else 2.01},
                         "coarse": {"family": "coarse", "equal_quality": {"median": None},
                                    "smaller_model_suffices": [0, 2]}}}
 
@@ -174,7 +185,7 @@ def test_a_growth_that_saved_more_than_the_cycles_is_the_advice(tmp_path, capsys
     assert result["advice"] == "growth" and result["growth"] == {
         "point": "c", "method": "stacking", "saving": 0.25, "cycle_method": "fcycle2", "cycle_saving": 0.20}
     behind = dataclasses.replace(ahead, growth=("stacking", 0.15))
-    assert plan(points + [behind], 1e6, 5e6)["advice"] == "multilevel"
+    assert plan(points + [behind], 1e6, 5e6, bar=0.0)["advice"] == "multilevel"
     assert plan(points + [behind], 1e6, 5e6)["growth"] is None
     controlled = points + [ahead, point("ctl", 1e6, 20.0, None, suffices=True)]
     assert plan(controlled, 1e6, 5e6)["advice"] == "smaller model"  # the control decides first
@@ -195,7 +206,8 @@ def test_a_growth_that_saved_more_than_the_cycles_is_the_advice(tmp_path, capsys
     _study(tmp_path, [_row("p1", 1e5, 0.03, 0.4), _row("p2", 1e5, 0.3, 0.3), _row("p3", 1e5, 10.0, 0.2),
                       _row("p4", 1e5, 100.0, 0.1)])
     rows = json.loads((tmp_path / "regime.json").read_text())
-    rows["points"][1]["methods"]["stacking-map-continue"] = {"family": "stacking", "equal_quality": {"median": 0.35}}
+    rows["points"][1]["methods"]["stacking-map-continue"] = {"family": "stacking", "equal_quality": {"median": 0.35},
+                                                            "final_valid_loss": 1.98}
     (tmp_path / "regime.json").write_text(json.dumps(rows))
     assert tool.main(["--config", str(config), "--benchmarks", str(tmp_path), "--write", str(out)]) == 0
     said = capsys.readouterr().out
@@ -209,7 +221,7 @@ def test_a_growth_that_saved_more_than_the_cycles_is_the_advice(tmp_path, capsys
     assert (asked.cycle, asked.num_levels, asked.depth_scaling) == ("grow", 3, "none")  # a quarter depth, plain copies
     assert (asked.optimizer_state, asked.lr_schedule) == ("reset", "restart")
     # MSG with the recipe's levers, where it saved the most, is written as the study ran it
-    rows["points"][1]["methods"]["msg"] = {"family": "msg", "equal_quality": {"median": 0.4}}
+    rows["points"][1]["methods"]["msg"] = {"family": "msg", "equal_quality": {"median": 0.4}, "final_valid_loss": 1.97}
     (tmp_path / "regime.json").write_text(json.dumps(rows))
     assert tool.main(["--config", str(config), "--benchmarks", str(tmp_path), "--write", str(out)]) == 0
     said = capsys.readouterr().out
@@ -234,11 +246,12 @@ def test_a_growth_a_later_pin_measured_counts_at_the_same_shape_and_budget(tmp_p
     rows = [_row("p1", 1e5, 0.03, 0.4), _row("p2", 1e5, 0.3, 0.3), _row("p3", 1e5, 10.0, 0.2),
             _row("long-4x64-100", 1e5, 100.0, 0.1, stacking=0.15)]
     _study(tmp_path, rows)
-    at = ["--params", "1e5", "--tokens", "1e7", "--benchmarks", str(tmp_path)]  # 100 tokens per parameter
+    at = ["--params", "1e5", "--tokens", "1e7", "--benchmarks", str(tmp_path), "--bar", "0"]  # 100 tokens per parameter
     assert tool.main(at) == 0
     assert "advice: growth: progressive stacking as published" in capsys.readouterr().out
     later = {"point": "long3-4x64-100", "shape": "4x64", "parameters": 1e5, "tokens_per_parameter": 100.0,
-             "methods": {"gstack": {"family": "gstack", "equal_quality": {"median": 0.25}}}}
+             "scratch_final_loss": 2.0,
+             "methods": {"gstack": {"family": "gstack", "equal_quality": {"median": 0.25}, "final_valid_loss": 1.98}}}
     (tmp_path / "regime3.json").write_text(json.dumps({"commit": "b" * 40, "points": [later], "leads": []}))
     assert tool.main(at) == 0
     said = capsys.readouterr().out
@@ -274,7 +287,7 @@ def test_the_scale_studys_controls_are_read_from_their_own_points(tmp_path, caps
     from megatron_multilevel.study.planner import plan
 
     assert plan(points, 1e5, 5e5)["advice"] == "smaller model"  # 5 tokens per parameter, under 10
-    assert plan(points, 1e5, 5e6)["advice"] == "multilevel"  # 50: beyond the control
+    assert plan(points, 1e5, 5e6, bar=0.0)["advice"] == "multilevel"  # 50: beyond the control
     capsys.readouterr()
     assert tool.main(["--params", "1e5", "--tokens", "5e5", "--benchmarks", str(tmp_path)]) == 0
     said = capsys.readouterr().out
@@ -310,7 +323,7 @@ def test_the_late_expansion_is_reported_where_it_was_measured_and_not_advised_wi
                                  late={"method": "late-tau0.5", "above_scratch": 0.112, "saving": None})
     deep8 = dataclasses.replace(point("d8", 1e6, 5.0, None), shape="8x32",
                                 late={"method": "late", "above_scratch": 0.05, "saving": 0.3})
-    result = plan(law + [deep16, deep8], 1e6, 5e6, layers=24)
+    result = plan(law + [deep16, deep8], 1e6, 5e6, layers=24, bar=0.0)
     assert result["late"]["point"] == "d16" and result["late"]["saving"] is None
     assert result["advice"] == "multilevel"
     assert result["layers_range"] == [4, 4] and result["beyond"]["layers"] == 6.0
@@ -321,3 +334,49 @@ def test_the_late_expansion_is_reported_where_it_was_measured_and_not_advised_wi
     assert "not advised" in said and "depth beyond the law's points: 24 layers, its points 4 to 4 layers" in said
     with pytest.raises(ValueError, match="layers"):
         plan(law, 1e6, 5e6, layers=0)
+
+
+def test_a_growth_is_advised_only_where_it_held_at_the_models_depth_on_every_corpus(tmp_path, capsys):
+    """A growth that saved 30% at the nearest 4-layer point is the advice at 4 layers; at 16 layers,
+    where it saved 30% on one corpus and did not reach scratch on another, the weakest measurement
+    (nothing saved) is under the bar and scratch is the advice, the growth its candidate; a run under
+    scratch at its full budget with no shorter budget is not a measurement and does not count."""
+    from megatron_multilevel.study.savings import growth_verdict
+
+    deep = {"scratch_final_loss": 1.5, "methods": {
+        "msg": {"family": "msg", "final_valid_loss": 1.51, "equal_quality": {"median": None}},
+        "msg-lr2": {"family": "msg", "final_valid_loss": 1.52, "equal_quality": {"median": None}},
+        "late": {"family": "late", "final_valid_loss": 1.4, "equal_quality": {"median": 0.5}}}}
+    # the late expansion is its own verdict; of growths that saved nothing, the lowest final loss
+    assert growth_verdict(deep) == {"method": "msg", "saving": None, "above_scratch": pytest.approx(0.01)}
+    assert growth_verdict({"scratch_final_loss": 1.5, "methods": {}}) is None
+    law = [point("a", 1e6, 0.1, 0.40), point("b", 1e6, 1.0, 0.30), point("d", 1e6, 100.0, 0.10)]
+    ahead = dataclasses.replace(point("c", 1e6, 10.0, 0.20), growth=("msg", 0.30))
+
+    def at16(name, corpus, saving, above):
+        return dataclasses.replace(point(name, 2e5, 80.0, None), shape="16x32", corpus=corpus,
+                                   growth_run={"method": "msg", "saving": saving, "above_scratch": above})
+
+    held, failed = at16("one", None, 0.30, -0.02), at16("two", "prose", None, 0.01)
+    points = law + [ahead, held, failed]
+    assert plan(points, 1e6, 5e6, layers=4)["advice"] == "growth"  # the 4-layer point is the nearest depth
+    assert plan(points, 1e6, 5e6)["advice"] == "growth"  # no depth given: nothing to weigh at depth
+    deep16 = plan(points, 1e6, 5e6, layers=16)
+    assert deep16["advice"] == "scratch" and deep16["candidate"] == {"advice": "growth", "saving": 0.0}
+    assert [v["point"] for v in deep16["at_depth"]] == ["one", "two"]
+    assert plan(points, 1e6, 5e6, layers=16, bar=0.0)["advice"] == "growth"
+    unmeasured = at16("two", "prose", None, -0.01)  # ahead on its FLOPs, no fraction run: not counted
+    assert plan(law + [ahead, held, unmeasured], 1e6, 5e6, layers=16)["advice"] == "growth"
+    said = load_tool("plan_schedule").describe(deep16)
+    assert "growth at 16 layers, on prose: msg ended 0.010 above the best-tuned scratch's final loss" in said
+    assert "advice: train the full model from scratch: the best candidate (growth, below)" in said
+    assert "under the 25% this planner asks" in said and "candidate: growth: MSG with the recipe's levers" in said
+    # the tool reads a second corpus's study (docs.json) under its corpus's name
+    _study(tmp_path, [_row("p1", 1e5, 0.03, 0.4), _row("p2", 1e5, 0.3, 0.3), _row("p3", 1e5, 10.0, 0.2),
+                      _row("p4", 1e5, 100.0, 0.1)])
+    (tmp_path / "docs.json").write_text(json.dumps({"commit": "c" * 40, "points": [
+        {"point": "docs-16x32-100", "shape": "16x32", "parameters": 2e5, "tokens_per_parameter": 80.0, **deep}]}))
+    read = {p.point: p for p in load_tool("plan_schedule").read_points(str(tmp_path))}
+    assert read["docs-16x32-100"].corpus == "Python 3.11's documentation"
+    assert read["docs-16x32-100"].growth_run["above_scratch"] == pytest.approx(0.01)
+    assert read["p1"].corpus is None

@@ -1,6 +1,7 @@
 """Which schedule to train a GPT with, at its size and token budget, from the committed study points.
 
     python tools/plan_schedule.py --params 124M --tokens 2.6B          # a size and a budget (or 124e6, 2.6e9)
+    python tools/plan_schedule.py --params 222k --tokens 17.8M --layers 16 --bar 0.1   # a depth; another bar
     python tools/plan_schedule.py --config configs/gpt_base.json        # a config's model and budget
     python tools/plan_schedule.py --config configs/gpt_base.json --write /tmp/planned.json  # ... and its schedule
     python tools/plan_schedule.py --validate                           # each point predicted by the others
@@ -8,11 +9,13 @@
 
 Reads the scale study (``benchmarks/study.json``, with its controls from ``benchmarks/controls.json``)
 and the regime study (``benchmarks/regime.json``, its later pins' points ``regime2.json`` and
-``regime3.json``), all made by ``tools/study_report.py``. The law and the advice are
-``megatron_multilevel.study.planner``'s (benchmarks/JOURNAL.md, "The planner"): the smaller model alone
-where the study's control found it sufficient at the budget, training from scratch where the saving's
-interval does not lie above zero, else the multilevel schedule of the nearest measured point,
-with the saving the law expects and its uncertainty. Parameters count the embedding.
+``regime3.json``), the deep points (``deep*.json``, and ``docs.json`` on a second corpus), all made by
+``tools/study_report.py``. The law and the advice are ``megatron_multilevel.study.planner``'s
+(benchmarks/JOURNAL.md, "The planner"): the smaller model alone where the study's control found it
+sufficient at the budget, training from scratch where the saving's interval does not lie above zero
+or where the best candidate's saving is under the bar (``--bar``, 25%), else the multilevel schedule
+of the nearest measured point or the growth that saved more there, with the saving the law expects
+and its uncertainty. Parameters count the embedding.
 """
 
 import argparse
@@ -25,7 +28,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 STUDIES = {"scale": "study.json", "regime": "regime.json", "regime2": "regime2.json", "regime3": "regime3.json",
-           "deep": "deep.json", "deep2": "deep2.json", "deep3": "deep3.json"}
+           "deep": "deep.json", "deep2": "deep2.json", "deep3": "deep3.json", "docs": "docs.json"}
+# the text a study's points were trained on, where it is not the embedded default (the standard
+# library's source files)
+CORPORA = {"docs": "Python 3.11's documentation"}
 SUFFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}  # thousand, million, billion, trillion
 
 
@@ -61,7 +67,8 @@ def human(count: float) -> str:
 def read_points(benchmarks: str) -> list:
     """Every point of the committed studies, as the planner reads it."""
     from megatron_multilevel.study.planner import StudyPoint
-    from megatron_multilevel.study.savings import best_growth, best_late, best_multilevel, control_seeds, with_controls
+    from megatron_multilevel.study.savings import (best_growth, best_late, best_multilevel, control_seeds,
+                                                   growth_verdict, with_controls)
 
     def rows_of(name):
         path = os.path.join(benchmarks, name)
@@ -84,7 +91,8 @@ def read_points(benchmarks: str) -> list:
                 tokens_per_parameter=r["tokens_per_parameter"], method=best,
                 saving=None if best is None else r["methods"][best]["equal_quality"]["median"],
                 schedule=None if best is None else r["methods"][best].get("schedule"),
-                control_seeds=control_seeds(r), late=best_late(r),
+                control_seeds=control_seeds(r), late=best_late(r), growth_run=growth_verdict(r),
+                corpus=CORPORA.get(study),
                 growth=None if growth is None else (growth, r["methods"][growth]["equal_quality"]["median"])))
     if not points:
         raise SystemExit(f"plan_schedule: no study in {benchmarks} ({', '.join(STUDIES.values())}): "
@@ -178,6 +186,16 @@ def beyond(result: dict, key: str, fewest: str, most: str, show) -> "str | None"
             f"1/{times:.3g} of the {fewest} ({show(lo)})")
 
 
+def growth_said(v: dict) -> str:
+    """What a growth verdict (savings.growth_verdict) says, in words."""
+    if v["saving"] is not None:
+        return f"saved {100 * v['saving']:.1f}% of the FLOPs at equal quality"
+    if v["above_scratch"] > 0:
+        return f"ended {v['above_scratch']:.3f} above the best-tuned scratch's final loss: no saving at equal quality"
+    return (f"ended {-v['above_scratch']:.3f} under the best-tuned scratch's final loss on its FLOPs, no shorter "
+            "budget run: its saving at equal quality not measured")
+
+
 def describe(result: dict) -> str:
     s = result["schedule"]
     lo, hi = result["tokens_per_parameter_range"]
@@ -209,8 +227,17 @@ def describe(result: dict) -> str:
             f"{where} its best run ({late['method']}) ended {late['above_scratch']:.3f} above the best-tuned "
             "scratch's final loss: no saving at equal quality; not advised" if late["saving"] is None else
             f"{where} its best run ({late['method']}) saved {100 * late['saving']:.1f}% of the FLOPs at equal quality"))
+    for v in result.get("at_depth") or []:
+        lines.append(f"growth at {v['layers']} layers, on {v['corpus'] or 'the standard library source files'}: "
+                     f"{v['method']} " + growth_said(v) + f" ({v['point']})")
     advice = result["advice"]
-    if advice == "smaller model":
+    candidate = result.get("candidate")
+    if candidate is not None:
+        lines.append(f"advice: train the full model from scratch: the best candidate ({candidate['advice']}, below) is "
+                     f"expected to save {100 * candidate['saving']:.1f}% at equal quality by the weakest measurement "
+                     f"behind it, under the {100 * result['bar']:.0f}% this planner asks before it advises a schedule "
+                     "(--bar sets another)")
+    elif advice == "smaller model":
         seeds = result.get("control_seeds")
         lines.append(f"advice: train the smaller (half-depth) model alone: at {result['control']}, with as many "
                      "or more tokens per parameter, it reached the best-tuned full model's final loss on the "
@@ -227,10 +254,12 @@ def describe(result: dict) -> str:
     growth = result.get("growth")
     # a growth is measured at the nearest point's shape and budget (its own, or a later pin's)
     grown = human(result["from_point_size"]["parameters"])
-    if advice == "multilevel":
-        lines.append(f"advice: multilevel: {cycle}")
-    elif advice == "growth":
-        lines.append(f"advice: growth: {growth_name(growth['method'])}: at {growth['point']} it saved "
+    shown = candidate["advice"] if candidate is not None else advice
+    head = "candidate" if candidate is not None else "advice"
+    if shown == "multilevel":
+        lines.append(f"{head}: multilevel: {cycle}")
+    elif shown == "growth":
+        lines.append(f"{head}: growth: {growth_name(growth['method'])}: at {growth['point']} it saved "
                      f"{100 * growth['saving']:.1f}% of the FLOPs at equal quality on a model of {grown} "
                      f"parameters, more than the best "
                      f"multilevel schedule there ({growth['cycle_method']}, {100 * growth['cycle_saving']:.1f}%); "
@@ -257,6 +286,9 @@ def main(argv=None) -> int:
                                    "where the advice is not multilevel)")
     p.add_argument("--growth", default=None, help="with --write: write this growth (stacking, gstack, msg) "
                                                   "whatever the advice")
+    p.add_argument("--bar", type=float, default=None,
+                   help="the FLOPs saving at equal quality (a share: 0.25 is 25%%) a schedule must be expected to "
+                        "reach before it is advised (default 0.25; 0: any saving shown)")
     p.add_argument("--data-parallel", "--data_parallel", type=int, default=1,
                    help="with --config and no train_batch_size: the data-parallel size of the global batch")
     p.add_argument("--validate", action="store_true", help="predict each measured point from the others")
@@ -272,7 +304,10 @@ def main(argv=None) -> int:
 
     if args.growth is not None and (not args.write or args.growth not in GROWTHS):
         p.error(f"--growth {args.growth!r}: it goes with --write and is one of {sorted(GROWTHS)}")
-    from megatron_multilevel.study.planner import leave_one_out, plan
+    from megatron_multilevel.study.planner import BAR, leave_one_out, plan
+
+    if args.bar is not None and not 0 <= args.bar < 1:
+        p.error(f"--bar {args.bar}: a share of the FLOPs in [0, 1) (0.25 is 25%)")
 
     points = read_points(args.benchmarks)
     if args.hold_out:
@@ -295,20 +330,23 @@ def main(argv=None) -> int:
     else:
         params, tokens, layers = args.params, args.tokens, args.layers
     try:
-        result = plan(points, params, tokens, layers)
+        result = plan(points, params, tokens, layers, bar=BAR if args.bar is None else args.bar)
     except ValueError as e:
         p.error(str(e))
     print(json.dumps(result, indent=1) if args.json else describe(result))
     if args.write:  # the growth asked for, else the advised one, else the schedule to train multilevel with
-        growth = result["growth"]["method"] if result["advice"] == "growth" else None
+        shown = result["candidate"]["advice"] if result["candidate"] else result["advice"]
+        growth = result["growth"]["method"] if shown == "growth" else None
         growth = args.growth or (growth if growth in GROWTHS else None)
         with open(args.write, "w") as f:
             json.dump(planned_config(budget, result["schedule"], growth), f, indent=2)
             f.write("\n")
-        written = result["advice"] == "multilevel" or growth is not None
-        print(f"written: {args.write}" + (f" ({growth_name(growth)})" if growth else "") + ("" if written else
-              f" (the multilevel schedule of {result['from_point']}, for a run that trains multilevel "
-              f"anyway: the advice above is {result['advice']!r})"))
+        advised = result["advice"] in ("multilevel", "growth")
+        what = (f" ({growth_name(growth)}" if growth else f" (the multilevel schedule of {result['from_point']}") + (
+            ")" if advised and (growth or result["advice"] == "multilevel") else
+            f", for a run that {'grows' if growth else 'trains multilevel'} anyway: the advice above is "
+            f"{result['advice']!r})")
+        print(f"written: {args.write}{what}")
     return 0
 
 

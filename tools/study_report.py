@@ -6,6 +6,8 @@ against the budget per method.
     python tools/study_report.py --study regime2  # its second pin's points: benchmarks/long2-*, regime2.*
     python tools/study_report.py --study regime3  # its third pin's points: benchmarks/long3-*, regime3.*
     python tools/study_report.py --study controls # the scale study's controls: benchmarks/ctl-*, controls.*
+    python tools/study_report.py --study deep3    # 16 layers at 80 tokens per parameter: deep3-*, deep3.*
+    python tools/study_report.py --study docs     # the same on a second corpus: docs-*, docs.*
     python tools/study_report.py --point bert-4x64-4700   # one point's rows and where its lead is made
 
 A point of the scale study is a directory ``cpu-<layers>x<hidden>-<steps>`` of ``benchmarks/``
@@ -39,7 +41,9 @@ STUDIES = {"scale": (re.compile(r"^cpu-(\d+)x(\d+)-(\d+)$"), "study"),
            # a 16-layer GPT at 80 tokens per parameter: the late expansion under WSD, each pin its own
            "deep": (re.compile(r"^deep-(\d+)x(\d+)-(\d+)$"), "deep"),
            "deep2": (re.compile(r"^deep2-(\d+)x(\d+)-(\d+)$"), "deep2"),
-           "deep3": (re.compile(r"^deep3-(\d+)x(\d+)-(\d+)$"), "deep3")}
+           "deep3": (re.compile(r"^deep3-(\d+)x(\d+)-(\d+)$"), "deep3"),
+           # deep3's best method and baseline on a second corpus (Python 3.11's documentation)
+           "docs": (re.compile(r"^docs-(\d+)x(\d+)-(\d+)$"), "docs")}
 
 
 def study_commit(benchmarks: str, study: str) -> str:
@@ -216,7 +220,8 @@ def main(argv=None) -> int:
     p.add_argument("--study", choices=sorted(STUDIES), default="scale",
                    help="scale: the cpu-* points (study.*); regime: the long-* points (regime.*); regime2: the "
                         "long2-* points (regime2.*); regime3: the long3-* points (regime3.*); controls: the ctl-* points "
-                        "(controls.*); deep, deep2, deep3: the deep-*, deep2-* and deep3-* points (16 layers, the late expansion)")
+                        "(controls.*); deep, deep2, deep3: the deep-*, deep2-* and deep3-* points (16 layers, the late expansion); "
+                        "docs: the docs-* points (deep3's comparison on a second corpus)")
     p.add_argument("--out", default=None, help="where the table, the JSON and the plot go (default: --benchmarks)")
     p.add_argument("--point", default=None, help="print one point's rows and where its lead is made (any point "
                    "named <name>-<layers>x<hidden>-<steps>, by its own code version: a BERT point, a peers point)")

@@ -15,7 +15,10 @@ does: where the coarse model alone reached the best scratch's final loss at a me
 or beyond the budget asked about, the smaller model is the advice; where the interval does not lie
 above zero (the saving is not shown), training the full model from scratch is. After them, the
 nearest measured point decides between the cycles and growth: where a growth method (progressive
-stacking as published, a peer) saved more there than every cycle, it is the advice. The advice says
+stacking as published, a peer) saved more there than every cycle, it is the candidate. A candidate
+is the advice only if every measurement behind it reaches the bar (:data:`BAR`, 25% by default):
+the law's saving for a cycle; for a growth, its saving at that point and, given the model's depth,
+at the nearest measured depth on every corpus measured there. Under the bar, scratch is. The advice says
 what it rests on: the sizes and budgets of the points, and how far beyond them the model asked about
 lies (a law without a size term carries its points' saving to any size unchanged).
 """
@@ -25,6 +28,11 @@ import math
 from typing import Optional, Sequence
 
 import numpy
+
+
+# the FLOPs saving at equal quality a method must be expected to reach before it is advised: under
+# it, the moving parts of a schedule (levels, transitions, their tuning) are not worth their risk
+BAR = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +54,9 @@ class StudyPoint:
     growth_point: Optional[str] = None  # the point whose runs measured ``growth`` (a later pin's at the
     # same shape and budget); None: this point's own
     late: Optional[dict] = None  # the late expansion's best run there (savings.best_late); None: not run
+    growth_run: Optional[dict] = None  # what growth did there, saving or not (savings.growth_verdict);
+    # None: no growth ran
+    corpus: Optional[str] = None  # the text it was trained on; None: the embedded default
 
     @property
     def layers(self) -> int:
@@ -159,7 +170,20 @@ def late_verdict(points: Sequence[StudyPoint], parameters: float, tokens_per_par
             "tokens_per_parameter": at.tokens_per_parameter}
 
 
-def plan(points: Sequence[StudyPoint], parameters: float, tokens: float, layers: Optional[int] = None) -> dict:
+def growth_at_depth(points: Sequence[StudyPoint], layers: Optional[int]) -> list[dict]:
+    """What growth did at the measured depth nearest ``layers``, on every corpus measured there
+    (``growth_verdict`` with the point, its corpus and depth), or [] without ``layers``. A saving
+    measured at 4 layers on one corpus is not evidence for 16 layers on another: these are."""
+    measured = [p for p in points if p.growth_run is not None]
+    if layers is None or not measured:
+        return []
+    depth = min({p.layers for p in measured}, key=lambda d: (abs(math.log(d / layers)), -d))
+    return [{"point": p.point, "corpus": p.corpus, "layers": p.layers, **p.growth_run}
+            for p in measured if p.layers == depth]
+
+
+def plan(points: Sequence[StudyPoint], parameters: float, tokens: float, layers: Optional[int] = None,
+         bar: float = BAR) -> dict:
     """The advice for a model of ``parameters`` trained on ``tokens``: ``advice`` (``"multilevel"``,
     ``"growth"``, ``"smaller model"``, ``"scratch"``), the expected saving and its interval, the
     schedule of the nearest measured point (what a multilevel run would use), the growth method that
@@ -169,9 +193,14 @@ def plan(points: Sequence[StudyPoint], parameters: float, tokens: float, layers:
     has a size term, and the size of the points that decided. With ``layers`` (the model's depth):
     the depths of the law's points and how far beyond them it lies. ``late``: what the late
     expansion did at the nearest point that ran it (:func:`late_verdict`), never the advice unless
-    it saved something there."""
+    it saved something there. ``bar``: the saving a multilevel schedule or growth must be expected
+    to reach to be the advice (the weakest measurement behind it: the law's expected saving, or the
+    growth's at the nearest point and, with ``layers``, at the nearest measured depth on every corpus);
+    under it, the advice is scratch and ``candidate`` says what fell short and by how much."""
     if parameters <= 0 or tokens <= 0:
         raise ValueError(f"parameters and tokens must be positive, got {parameters} and {tokens}")
+    if not 0 <= bar < 1:
+        raise ValueError(f"bar is a share of the FLOPs in [0, 1), got {bar}")
     if layers is not None and layers <= 0:
         raise ValueError(f"layers must be positive, got {layers}")
     tpp = tokens / parameters
@@ -210,4 +239,18 @@ def plan(points: Sequence[StudyPoint], parameters: float, tokens: float, layers:
                                                  "cycle_method": nearest.method, "cycle_saving": nearest.saving}
     if better is not None and advice != "smaller model":
         advice = "growth"
+    out["at_depth"] = growth_at_depth(points, layers)
+    out["bar"], out["candidate"] = bar, None
+    if advice in ("multilevel", "growth"):
+        # the weakest measurement behind the advice; growth at the model's depth counts only where it
+        # was measured nearer that depth than the point the advice comes from
+        behind = [mean] if advice == "multilevel" else [better[1]]
+        if advice == "growth" and out["at_depth"] and layers is not None and (
+                abs(math.log(out["at_depth"][0]["layers"] / layers)) < abs(math.log(nearest.layers / layers))):
+            # not reached (above scratch at the full budget): nothing saved; under scratch at the full
+            # budget with no shorter budget run: not measured, so not counted
+            behind += [v["saving"] or 0.0 for v in out["at_depth"] if v["saving"] is not None or v["above_scratch"] > 0]
+        if min(behind) < bar:
+            out["candidate"] = {"advice": advice, "saving": min(behind)}
+            advice = "scratch"
     return {**out, "advice": advice}

@@ -205,6 +205,20 @@ def best_late(row: dict) -> Optional[dict]:
             "saving": row["methods"][name]["equal_quality"]["median"]}
 
 
+def growth_verdict(row: dict) -> Optional[dict]:
+    """What growth did at a study row's point, saving or not: the growth run with the highest
+    median equal-quality saving, else (none reached the best-tuned scratch's loss) the one that
+    ended lowest; ``method``, ``saving`` (None: not reached) and its final loss ``above_scratch``.
+    None where no growth method ran there. The late expansion is not counted: :func:`best_late` is its."""
+    runs = {name: m for name, m in row["methods"].items() if m["family"] in GROWTH_FAMILIES and m["family"] != "late"}
+    if not runs:
+        return None
+    saved = [(m["equal_quality"]["median"], n) for n, m in runs.items() if m["equal_quality"]["median"] is not None]
+    name = max(saved)[1] if saved else min(runs, key=lambda n: runs[n]["final_valid_loss"])
+    return {"method": name, "saving": runs[name]["equal_quality"]["median"],
+            "above_scratch": runs[name]["final_valid_loss"] - row["scratch_final_loss"]}
+
+
 def _best_of(row: dict, families: tuple) -> Optional[str]:
     measured = [(m["equal_quality"]["median"], name) for name, m in row["methods"].items()
                 if m["family"] in families and m["equal_quality"]["median"] is not None]
