@@ -304,7 +304,7 @@ def test_the_shipped_configs_are_the_benchmarks_recipe(name, steps, fine_lr, war
 def test_the_shipped_growth_configs_are_the_growths_as_the_study_ran_them(name, method, flags, small_steps):
     """configs/gpt_base_grow.json (the planner's advice for GPT-Base until MSG's run) is progressive
     stacking as published, configs/gpt_base_gstack.json G_stack as published (AdamW and the schedule
-    restarted) and configs/gpt_base_msg.json (the planner's advice since) MSG with the recipe's
+    restarted) and configs/gpt_base_msg.json (the planner's candidate since, under its bar) MSG with the recipe's
     levers, each as the benchmark runs it (the flags), at GPT-Base's budget: stacking's half of the
     steps at half depth, G_stack's tenth at a quarter depth, MSG's tenth at half depth."""
     from megatron_multilevel.study.variants import GROWTHS
