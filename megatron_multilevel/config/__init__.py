@@ -10,6 +10,7 @@ from megatron_multilevel.config.data import DataConfig
 from megatron_multilevel.config.deepspeed import (
     DEEPSPEED_KEYS,
     OPTIMIZER_STATE_KEYS,
+    STATE_DEGREE,
     STATE_OPTIMIZERS,
     ZERO_STAGES,
     carries_optimizer_state,
@@ -45,7 +46,7 @@ from megatron_multilevel.config.run import OUR_KEYS, RunConfig, config_to_dict, 
 from megatron_multilevel.config.training import LRConfig, PhaseSpec, TrainingConfig
 
 __all__ = [
-    "DataConfig", "DEEPSPEED_KEYS", "OPTIMIZER_STATE_KEYS", "STATE_OPTIMIZERS", "ZERO_STAGES",
+    "DataConfig", "DEEPSPEED_KEYS", "OPTIMIZER_STATE_KEYS", "STATE_DEGREE", "STATE_OPTIMIZERS", "ZERO_STAGES",
     "carries_optimizer_state", "check_deepspeed_keys", "deep_merge", "optimizer_state_keys",
     "TP_SPLIT_SIZES", "ModelConfig", "check_model_parallel", "coarse_model_config", "undivided_size",
     "valid_tp_sizes", "COALESCE_ONLY_KEYS", "STRATEGIES", "WIDTH_GROWTHS", "LevelConfig", "MultilevelConfig",

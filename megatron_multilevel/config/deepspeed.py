@@ -33,6 +33,14 @@ MONITOR_KEYS = ("tensorboard", "wandb", "csv_monitor", "comet")
 # The optimizer state the transitions keep or map, by DeepSpeed optimizer type (lower case).
 OPTIMIZER_STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"),
                         "sgd": ("momentum_buffer",)}
+# How each state scales when its parameter is rescaled: the states are in units of the gradient
+# (first moments, momentum) or of the squared gradient (Adam's second moment), and where a
+# parameter is multiplied by ``s`` its gradient is multiplied by ``1 / s`` (the chain rule). A
+# transition that rescales a parameter (a residual branch's output under ``ode`` or ``identity``
+# depth scaling, a depth multiplier that changes with the depth) multiplies each carried state by
+# ``s ** degree``: Adam's step ``m / sqrt(v)`` is then the same in either parametrisation (eps
+# aside), and the gradients added later are in the same units.
+STATE_DEGREE = {"exp_avg": -1, "exp_avg_sq": -2, "momentum_buffer": -1}
 # Their DeepSpeed spellings: the Adam types in any case, torch's SGD only as spelled.
 STATE_OPTIMIZERS = ("Adam", "AdamW", "SGD")
 

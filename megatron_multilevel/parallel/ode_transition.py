@@ -24,7 +24,7 @@ from typing import Callable, Literal, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_multilevel.config import ModelConfig
+from megatron_multilevel.config import STATE_DEGREE, ModelConfig
 from megatron_multilevel.level_maps import LayerSelection
 from megatron_multilevel.ode_operators import (
     Prolongation,
@@ -44,15 +44,11 @@ from megatron_multilevel.plan import layer_prefix, parameter_plan
 OptimizerState = Literal["reset", "keep", "map"]
 # How the weight scale ``s`` (``LayerSelection.weight_scale``: the residual scale when the step is
 # folded into the weights, 1 when it is explicit) acts on each optimizer state carried into a
-# coarse phase and back (``optimizer_state = "map"``): the states are in units of the gradient, and
-# where a coarse parameter is ``s`` times its fine one the coarse gradient is ``1 / s`` times the
-# fine one (the chain rule; ``ode_operators.restrict_gradient``). So momentum and Adam's first
-# moment restrict as gradients (``s ** -1`` on the residual-branch outputs), the second moment as a
-# squared gradient (``s ** -2``), and come back multiplied. The gradients the coarse optimizer adds
-# to them are then in the same units; Adam's step ``m / sqrt(v)`` does not change with the choice
-# (eps aside), SGD's momentum does (parameter-like scaling started a coarse phase with ``s ** 2``
-# times it).
-DEGREE = {"exp_avg": -1, "exp_avg_sq": -2, "momentum_buffer": -1}
+# coarse phase and back (``optimizer_state = "map"``): as on any rescaled parameter
+# (``config.STATE_DEGREE``), momentum and Adam's first moment restrict as gradients (``s ** -1`` on
+# the residual-branch outputs), the second moment as a squared gradient (``s ** -2``), and come
+# back multiplied. SGD's momentum would otherwise start a coarse phase with ``s ** 2`` times it.
+DEGREE = STATE_DEGREE
 
 
 def shard_local(fine_layout: Layout, coarse_layout: Layout) -> bool:
