@@ -169,17 +169,37 @@ def check_width_growth(width_growth: str, level_map: LevelMap) -> None:
                          "level map does not widen; valid choices here are ['fpi']")
 
 
-def _residual_scale(level_map: LevelMap, rule: ParamRule) -> float:
+def branch_ratio(level_map: LevelMap) -> float:
+    """The fine model's residual-branch multiplier over the coarse model's (1 without depth-muP;
+    ``2 ** -exponent`` under depth-muP, whose multiplier ``(base / L) ** exponent`` changes with the
+    depth). The operators are defined on the plain model, the multiplier folded into each branch's
+    output weights: a residual-branch output is multiplied by ``m_fine / m_coarse`` when coalesced
+    and divided by it when de-coalesced, so that every transition, and every growth that preserves
+    the function, does under depth-muP what it does without it."""
+    return float(level_map.fine.branch_multiplier) / float(level_map.coarse.branch_multiplier)
+
+
+def _residual_scale(level_map: LevelMap, rule: ParamRule, degree: int = 1) -> float:
     """What coalescing multiplies a residual-branch output's pair average by: 2 (the sum of the
-    pair's residual branches) when each layer is an Euler step (``ode``, ``identity``)."""
-    euler = level_map.depth and level_map.depth_scaling in ("ode", "identity")
-    return 2.0 if euler and rule.residual else 1.0
+    pair's residual branches) when each layer is an Euler step (``ode``, ``identity``), times the
+    depth multipliers' ratio (:func:`branch_ratio`) to the power ``degree`` (1 for parameters; an
+    optimizer state's ``config.STATE_DEGREE``: in gradient units the ratio acts inversely)."""
+    if not rule.residual:
+        return 1.0
+    euler = 2.0 if level_map.depth and level_map.depth_scaling in ("ode", "identity") else 1.0
+    return euler * branch_ratio(level_map) ** degree
 
 
-def coalesce_layers(fine_layers: Sequence[Mapping[str, torch.Tensor]], level_map: LevelMap) -> StateDict:
+def _times(t: torch.Tensor, factor: float) -> torch.Tensor:
+    return t if factor == 1.0 else (t.to(_compute_dtype(t)) * factor).to(t.dtype)
+
+
+def coalesce_layers(fine_layers: Sequence[Mapping[str, torch.Tensor]], level_map: LevelMap, *,
+                    degree: int = 1) -> StateDict:
     """One coarse layer from the fine layers of its depth group (names local to the layer).
 
-    ``fine_layers`` holds two layers when depth is coalesced, else one.
+    ``fine_layers`` holds two layers when depth is coalesced, else one. ``degree``: 1 for
+    parameters, an optimizer state's ``config.STATE_DEGREE`` for that state (:func:`_residual_scale`).
     """
     assert len(fine_layers) == (2 if level_map.depth else 1)
     rules = parameter_plan(level_map.fine).layer
@@ -198,21 +218,24 @@ def coalesce_layers(fine_layers: Sequence[Mapping[str, torch.Tensor]], level_map
             continue
         dtype = parts[0].dtype
         mean = (parts[0].to(_compute_dtype(parts[0])) + parts[1].to(_compute_dtype(parts[1]))) * 0.5
-        out[name] = (mean * _residual_scale(level_map, rule)).to(dtype)
+        out[name] = (mean * _residual_scale(level_map, rule, degree)).to(dtype)
     return out
 
 
 def decoalesce_layer(coarse_layer: Mapping[str, torch.Tensor], level_map: LevelMap, member: int = 0, *,
-                     upper: Optional[Mapping[str, torch.Tensor]] = None) -> StateDict:
+                     upper: Optional[Mapping[str, torch.Tensor]] = None, degree: int = 1) -> StateDict:
     """The fine layer de-coalesced from one coarse layer, as the ``member``-th layer (0 or 1) of its
     depth group (``depth_groups``). Both copy it, but for the residual-branch outputs: halved in
-    each with ``ode`` scaling, kept by the first and zero in the second with ``identity``. With
+    each with ``ode`` scaling, kept by the first and zero in the second with ``identity``, and
+    under depth-muP divided by the multipliers' ratio (:func:`branch_ratio`, to the power
+    ``degree`` for an optimizer state), so that the kept branch computes what it computed. With
     ``upper`` (the coarse layer above, ``upper_layer``; at least ``coarse_layer``'s names), width
     grows by AKI (:func:`decoalesce_tensor_aki`) instead of FPI. Every tensor returned is new
     (never one of ``coarse_layer``'s), so each call's layer is independent."""
     assert member in (0, 1) and (member == 0 or level_map.depth), member
     rules = parameter_plan(level_map.fine).layer
     identity = level_map.depth and level_map.depth_scaling == "identity"
+    ratio = branch_ratio(level_map) ** degree
     out = {}
     for name, t in coarse_layer.items():
         if is_metadata(name):
@@ -221,10 +244,9 @@ def decoalesce_layer(coarse_layer: Mapping[str, torch.Tensor], level_map: LevelM
         fine = (decoalesce_tensor(name, t, rule, level_map) if upper is None
                 else decoalesce_tensor_aki(name, t, upper[name], rule, level_map))
         if identity and rule.residual:
-            out[name] = fine if member == 0 else torch.zeros_like(fine)
+            out[name] = _times(fine, 1.0 / ratio) if member == 0 else torch.zeros_like(fine)
             continue
-        scale = _residual_scale(level_map, rule)
-        out[name] = fine if scale == 1.0 else (fine.to(_compute_dtype(fine)) / scale).to(fine.dtype)
+        out[name] = _times(fine, 1.0 / _residual_scale(level_map, rule, degree))
     return out
 
 
@@ -294,21 +316,24 @@ def split_layers(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig, num_l
     return model, [layers[i] for i in range(num_layers)]
 
 
-def coalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap) -> StateDict:
-    """The coarse model's parameters from the fine model's full state dict."""
+def coalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap, *, degree: int = 1) -> StateDict:
+    """The coarse model's parameters (an optimizer state's, with its ``degree``) from the fine
+    model's full state dict."""
     fine_layers = level_map.fine.num_layers
     model, layers = split_layers(state_dict, level_map.fine, fine_layers, "fine")
     out = coalesce_model_params(model, level_map)
     for k, members in enumerate(depth_groups(level_map)):
-        coarse = coalesce_layers([layers[i] for i in members], level_map)
+        coarse = coalesce_layers([layers[i] for i in members], level_map, degree=degree)
         prefix = layer_prefix(level_map.coarse, k)
         out.update({prefix + name: t for name, t in coarse.items()})
     return out
 
 
-def decoalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap, *, width_growth: str = "fpi") -> StateDict:
-    """The fine model's parameters de-coalesced from the coarse model's full state dict; with
-    ``width_growth`` "aki", every layer widened by AKI (:func:`decoalesce_tensor_aki`)."""
+def decoalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap, *, width_growth: str = "fpi",
+               degree: int = 1) -> StateDict:
+    """The fine model's parameters (an optimizer state's, with its ``degree``) de-coalesced from
+    the coarse model's full state dict; with ``width_growth`` "aki", every layer widened by AKI
+    (:func:`decoalesce_tensor_aki`)."""
     check_width_growth(width_growth, level_map)
     coarse_layers = level_map.coarse.num_layers
     model, layers = split_layers(state_dict, level_map.fine, coarse_layers, "coarse")
@@ -317,7 +342,7 @@ def decoalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap, *, w
         k = coarse_layer_of(level_map, j)
         prefix = layer_prefix(level_map.fine, j)
         upper = layers[upper_layer(level_map, k)] if width_growth == "aki" else None
-        fine = decoalesce_layer(layers[k], level_map, group_member(level_map, j), upper=upper)
+        fine = decoalesce_layer(layers[k], level_map, group_member(level_map, j), upper=upper, degree=degree)
         out.update({prefix + name: t for name, t in fine.items()})
     return out
 

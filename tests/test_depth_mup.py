@@ -95,6 +95,69 @@ LATE = {"enabled": True, "cycle": "grow", "num_levels": 3, "alpha": 1.0, "coales
                    {"steps_before": 8, "lr_before": {**WSD, "warmup_steps": 2}}]}
 
 
+def _grown_logits_under_mup(variant: str, growth: str, exponent: float, base: int):
+    """Logits of a random coarse depth-muP model (2 layers) and of the 4-layer model grown from it
+    (``identity`` layers, or MSG's copies under their mask at 0), each with its own multiplier."""
+    from megatron_multilevel.growth.mask import growth_mask
+    from megatron_multilevel.level_maps import make_level_map
+    from megatron_multilevel.models import build_model, load_parameters, model_logits
+    from megatron_multilevel.operators import decoalesce
+
+    cfg = small_config(variant, num_layers=4, depth_mup_base_layers=base, depth_mup_exponent=exponent)
+    lm = make_level_map(cfg, width=False, depth_pairing="halves",
+                        depth_scaling="identity" if growth == "identity" else "none")
+    assert lm.coarse.branch_multiplier != cfg.branch_multiplier  # each depth its own multiplier
+    coarse = random_state_dict(lm.coarse, seed=21)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.max_sequence_length), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for c, state in ((lm.coarse, coarse), (cfg, decoalesce(coarse, lm))):
+        model = build_model(c)
+        load_parameters(model, state)
+        if c is cfg and growth == "msg":
+            assert growth_mask(model, lm, 10).at(0) == 0.0
+        with torch.no_grad():
+            logits.append(model_logits(model.eval(), c, tokens))
+    return logits
+
+
+@pytest.mark.usefixtures("dist_single")
+@pytest.mark.parametrize("variant", ["gpt_tied", "gpt_llama", "bert_tied"])
+@pytest.mark.parametrize("growth", ["msg", "identity"])
+@pytest.mark.parametrize("exponent, base", [(1.0, 1), (0.5, 1), (0.75, 2)])
+def test_a_growth_that_preserves_the_function_does_under_depth_mup(variant, growth, exponent, base):
+    """The kept layers' branches are rescaled by the multipliers' ratio: the grown model computes
+    the small one, whatever the exponent and base depth."""
+    a, b = _grown_logits_under_mup(variant, growth, exponent, base)
+    assert a.abs().max() > 0.1
+    assert (a - b).abs().max().item() < 1e-6 * max(1.0, a.abs().max().item())
+
+
+def test_depth_mup_growth_rescales_branches_and_states_by_the_multipliers_ratio():
+    """CompleteP at base 1, 2 -> 4 layers: the multiplier goes 1/2 -> 1/4, so the kept layers'
+    residual-branch outputs double (the function kept); Adam's first moment (gradient units)
+    halves, its second quarters; the rest is copied; coalescing back is the inverse."""
+    from megatron_multilevel.config import STATE_DEGREE
+    from megatron_multilevel.level_maps import make_level_map
+    from megatron_multilevel.operators import coalesce, decoalesce
+
+    cfg = small_config("gpt_tied", num_layers=4, depth_mup_base_layers=1, depth_mup_exponent=1.0)
+    lm = make_level_map(cfg, width=False, depth_pairing="halves")
+    coarse = random_state_dict(lm.coarse, seed=22)
+    for key, factor in ((None, 2.0), ("exp_avg", 0.5), ("exp_avg_sq", 0.25)):
+        degree = 1 if key is None else STATE_DEGREE[key]
+        fine = decoalesce(coarse, lm, degree=degree)
+        for j, k in ((0, 0), (1, 1), (2, 0), (3, 1)):  # halves: fine layer j copies coarse layer k
+            for name, t in coarse.items():
+                prefix = f"decoder.layers.{k}."
+                if not name.startswith(prefix):
+                    continue
+                got = fine[f"decoder.layers.{j}." + name[len(prefix):]]
+                residual = ".linear_proj." in name or ".linear_fc2." in name
+                assert torch.equal(got, t * factor if residual else t), (key, j, name)
+        back = coalesce(fine, lm, degree=degree)
+        assert all(torch.allclose(back[n], coarse[n], rtol=0, atol=1e-7) for n in coarse), key
+
+
 def test_each_level_of_a_run_takes_its_own_depths_multiplier():
     """The run's levels (4, 2 and 1 layers at base 1, exponent 0.5) multiply their branches by
     sqrt(1/4), sqrt(1/2) and 1."""
@@ -186,3 +249,28 @@ def test_a_depth_mup_growth_in_two_layouts_is_the_one_process_run(mup_run, corpu
     assert_close_to_reference(tmp_path / "run", mup_run, abs=2e-4)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert [p["level"] for p in summary["phases"]] == [2, 1, 0]
+
+
+# MSG under depth-muP (exponent 0.5, base 1): 2 layers (branches x sqrt(1/2)) grown to 4 (x 1/2),
+# the copies masked in over 4 steps, the moments mapped (the kept branches' rescaled with them)
+MSG_MUP = {"enabled": True, "cycle": "grow", "num_levels": 2, "alpha": 1.0, "coalesce_width": False,
+           "coalesce_depth": True, "depth_pairing": "halves", "depth_scaling": "none", "growth_mask_steps": 4,
+           "optimizer_state": "map", "levels": [{"steps_after": 6, "lr_after": {"peak": 2e-3, "warmup_steps": 1}},
+                                                {"steps_before": 5, "lr_before": {"peak": 2e-3, "warmup_steps": 2}}]}
+
+
+def test_msg_under_depth_mup_keeps_the_small_models_loss_and_ramps_its_mask(corpus, tmp_path):
+    """A real run: the transition check (tolerance 1e-3, stopping the run) passes, the grown
+    model's loss on the check batch and its validation loss before its first step are the small
+    model's, and the grown phase's steps train with the mask at 0, 1/4, 2/4, 3/4, then 1."""
+    from launch_helpers import records
+
+    config = run_config(tmp_path, corpus, "run", model=_model(), multilevel=MSG_MUP,
+                        training={**KEEP_ALL, "log_interval": 1})
+    ok(launch(config))
+    (jump,) = records(tmp_path / "run", "transition")
+    assert jump["preserves_function"] and abs(jump["loss_after"] - jump["loss_before"]) < 1e-5, jump
+    valid = {(r["phase"], r["step"]): r["loss"] for r in records(tmp_path / "run", "valid")}
+    assert valid[(1, 0)] == pytest.approx(valid[(0, 5)], rel=1e-6)
+    masks = [r.get("mask") for r in records(tmp_path / "run", "train") if r["phase"] == 1]
+    assert masks == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0], masks

@@ -426,6 +426,7 @@ def _grow_case(cfg, lm, coarse_tp, coarse_stage, fine_tp, fine_stage, width_grow
     carried (``width_growth``), one step of the grown model: the largest difference of each of its
     parameters and moments from the operators applied to the gathered coarse ones, the step counts
     of its optimizer and the three losses."""
+    from megatron_multilevel.config import STATE_DEGREE
     from megatron_multilevel.distributed import set_seed, set_tensor_model_parallel_size
     from megatron_multilevel.models import build_model
     from megatron_multilevel.operators import decoalesce
@@ -447,7 +448,8 @@ def _grow_case(cfg, lm, coarse_tp, coarse_stage, fine_tp, fine_stage, width_grow
     del coarse
     fine = _engine(staged.model, fine_stage)
     load_moments(fine, staged)
-    diffs = {k: _max_diff(_reference_gather(fine, cfg, k), decoalesce(m, lm, width_growth=width_growth))
+    diffs = {k: _max_diff(_reference_gather(fine, cfg, k),
+                          decoalesce(m, lm, width_growth=width_growth, degree=1 if k is None else STATE_DEGREE[k]))
              for k, m in moments.items()}
     steps = {float(s["step"]) for s in inner_torch_optimizer(fine.optimizer).state.values()}
     losses.append(_train_step(fine, cfg, seed=3))
@@ -457,15 +459,21 @@ def _grow_case(cfg, lm, coarse_tp, coarse_stage, fine_tp, fine_stage, width_grow
 def _grow_worker(rank, world, layouts, depth_scaling="none"):
     """Progressive growth with the coarse AdamW moments carried: the grown model's parameters and
     moments are the coarse ones de-coalesced (halves pairing: stacked), its step count the coarse
-    optimizer's."""
+    optimizer's. ``...-mup``: under depth-muP (CompleteP, base 1), where the kept branches and
+    their moments are rescaled by the multipliers' ratio (``operators.branch_ratio``)."""
+    import dataclasses
+
     from megatron_multilevel.level_maps import make_level_map
 
     cfg = _model_config("gpt")
+    if depth_scaling.endswith("-mup"):
+        depth_scaling = depth_scaling.removesuffix("-mup")
+        cfg = dataclasses.replace(cfg, depth_mup_base_layers=1, depth_mup_exponent=1.0)
     lm = make_level_map(cfg, width=False, depth_pairing="halves", depth_scaling=depth_scaling)
     return [_grow_case(cfg, lm, *layout) for layout in layouts]
 
 
-@pytest.mark.parametrize("depth_scaling", ["none", "identity"])
+@pytest.mark.parametrize("depth_scaling", ["none", "identity", "identity-mup"])
 def test_growing_carries_the_coarse_moments(tmp_path, depth_scaling):
     # (coarse TP, coarse ZeRO stage, fine TP, fine ZeRO stage)
     (one,) = run_ranks(_grow_worker, 1, tmp_path / "one", [(1, 0, 1, 0)], depth_scaling)

@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_multilevel.config import check_alpha
+from megatron_multilevel.config import STATE_DEGREE, check_alpha
 from megatron_multilevel.growth.fresh import fresh_layer
 from megatron_multilevel.level_maps import LevelMap
 from megatron_multilevel.operators import (
@@ -106,7 +106,7 @@ def coarsen(
     for key in moments:
         before.moments[key] = snapshot(key)
         staged.moments[key] = Snapshot(group)
-        _coarsen_stream(readers[key], staged.moments[key], op_map, tee=before.moments[key])
+        _coarsen_stream(readers[key], staged.moments[key], op_map, tee=before.moments[key], degree=STATE_DEGREE[key])
     return staged, before
 
 
@@ -206,14 +206,14 @@ def prolong(
     for key, moment_reader in moment_readers.items():
         staged.moments[key] = Snapshot(snapshot_group(fast))
         _prolong_stream(moment_reader, None if before is None else before.moments[key], staged.moments[key], op_map,
-                        alpha, width_growth=width_growth, grown=grown_moments)
+                        alpha, width_growth=width_growth, grown=grown_moments, degree=STATE_DEGREE[key])
     return staged
 
 
-def _coarsen_stream(reader, writer, level_map: LevelMap, *, tee=None) -> None:
+def _coarsen_stream(reader, writer, level_map: LevelMap, *, tee=None, degree: int = 1) -> None:
     """Coalesce parameter by parameter: a rank holds at most one parameter of each fine layer of
     a depth group, or one slab of vocabulary rows (full, or its shard on the fast path), beyond its
-    own shards."""
+    own shards. ``degree``: 1 for parameters, an optimizer state's ``STATE_DEGREE``."""
     for name in reader.model_names:
         for rows in vocab_slabs(reader, name, level_map.fine):
             value = reader.read_model([name], rows)
@@ -227,7 +227,7 @@ def _coarsen_stream(reader, writer, level_map: LevelMap, *, tee=None) -> None:
                 fine.append(reader.read_layer(i, [name]))
                 if tee is not None:
                     tee.write_layer(i, fine[-1])
-            writer.write_layer(k, coalesce_layers(fine, level_map))
+            writer.write_layer(k, coalesce_layers(fine, level_map, degree=degree))
             del fine
 
 
@@ -263,12 +263,13 @@ def _seeded_noise(writer: ModelWriter, seed: int, key: str, prefix: str):
 
 def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, alpha: float, *,
                     perturbation_std: float = 0.0, seed: int = 0, correction: bool = False,
-                    width_growth: str = "fpi", grown: str = "copy") -> None:
+                    width_growth: str = "fpi", grown: str = "copy", degree: int = 1) -> None:
     """De-coalesce and interpolate (or correct) parameter by parameter (slab by slab of
     vocabulary rows). The correction's starting coarse model is coalesced again from ``before``,
     one depth group at a time, as ``_coarsen_stream`` made it. AKI reads each parameter of the
     coarse layer above too (every rank the same layers, in the same order). Growing, the layers
-    growth adds are ``grown``: copies, ``fresh`` layers or ``zero``."""
+    growth adds are ``grown``: copies, ``fresh`` layers or ``zero``. ``degree``: 1 for parameters,
+    an optimizer state's ``STATE_DEGREE`` (how a rescaled residual branch scales it)."""
     for name in coarse_reader.model_names:
         for rows in vocab_slabs(coarse_reader, name, level_map.fine, whole=perturbation_std > 0):
             values = decoalesce_model_params(coarse_reader.read_model([name], rows), level_map)
@@ -287,15 +288,16 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
             coarse = coarse_reader.read_layer(k, [name])
             upper = None if up is None else coarse if up == k else coarse_reader.read_layer(up, [name])
             before = [] if before_reader is None else [before_reader.read_layer(j, [name]) for j in members]
-            start = coalesce_layers(before, level_map) if correction and before else None
+            start = coalesce_layers(before, level_map, degree=degree) if correction and before else None
             for i, j in enumerate(members):
                 member = group_member(level_map, j)
-                decoalesced = decoalesce_layer(coarse, level_map, member, upper=upper)
+                decoalesced = decoalesce_layer(coarse, level_map, member, upper=upper, degree=degree)
                 if not before:  # growing (alpha 1); new tensors per fine layer: the writer adopts them
                     values = decoalesced if member == 0 else _grown_layer(decoalesced, grown, writer, level_map,
                                                                           seed, j)
                 elif start is not None:
-                    values = correct(before[i], decoalesced, decoalesce_layer(start, level_map, member), alpha)
+                    values = correct(before[i], decoalesced, decoalesce_layer(start, level_map, member, degree=degree),
+                                     alpha)
                 else:
                     values = interpolate(before[i], decoalesced, alpha)
                 writer.write_layer(j, _perturb(values, perturbation_std, seed, writer, j))
