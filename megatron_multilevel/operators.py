@@ -170,24 +170,31 @@ def check_width_growth(width_growth: str, level_map: LevelMap) -> None:
 
 
 def branch_ratio(level_map: LevelMap) -> float:
-    """The fine model's residual-branch multiplier over the coarse model's (1 without depth-muP;
-    ``2 ** -exponent`` under depth-muP, whose multiplier ``(base / L) ** exponent`` changes with the
-    depth). The operators are defined on the plain model, the multiplier folded into each branch's
-    output weights: a residual-branch output is multiplied by ``m_fine / m_coarse`` when coalesced
-    and divided by it when de-coalesced, so that every transition, and every growth that preserves
-    the function, does under depth-muP what it does without it."""
+    """The fine model's residual-branch multiplier over the coarse model's: 1 without depth-muP,
+    ``2 ** -exponent`` under it (its multiplier ``(base / L) ** exponent`` changes with the depth)."""
     return float(level_map.fine.branch_multiplier) / float(level_map.coarse.branch_multiplier)
 
 
-def _residual_scale(level_map: LevelMap, rule: ParamRule, degree: int = 1) -> float:
+def keeps_branches(level_map: LevelMap, keep_branches: bool = False) -> bool:
+    """Whether the transition keeps each kept layer's branch as the coarse model computed it:
+    ``identity`` depth scaling, or a growth that masks the layers it adds (MSG: ``keep_branches``).
+    Those growths preserve the function; under depth-muP they rescale each residual branch's output
+    (weights and optimizer state) by the multipliers' ratio (:func:`branch_ratio`). The others copy
+    the weights and let each level's multiplier act: under CompleteP, plain copies are then Euler
+    steps of the coarse layer's step, as Bu's expansion makes them."""
+    return level_map.depth and (keep_branches or level_map.depth_scaling == "identity")
+
+
+def _residual_scale(level_map: LevelMap, rule: ParamRule, degree: int = 1, keep_branches: bool = False) -> float:
     """What coalescing multiplies a residual-branch output's pair average by: 2 (the sum of the
-    pair's residual branches) when each layer is an Euler step (``ode``, ``identity``), times the
-    depth multipliers' ratio (:func:`branch_ratio`) to the power ``degree`` (1 for parameters; an
-    optimizer state's ``config.STATE_DEGREE``: in gradient units the ratio acts inversely)."""
+    pair's residual branches) when each layer is an Euler step (``ode``, ``identity``), times, where
+    the transition keeps the branches (:func:`keeps_branches`), the depth multipliers' ratio to the
+    power ``degree`` (1 for parameters; an optimizer state's ``config.STATE_DEGREE``: in gradient
+    units the ratio acts inversely)."""
     if not rule.residual:
         return 1.0
     euler = 2.0 if level_map.depth and level_map.depth_scaling in ("ode", "identity") else 1.0
-    return euler * branch_ratio(level_map) ** degree
+    return euler * (branch_ratio(level_map) ** degree if keeps_branches(level_map, keep_branches) else 1.0)
 
 
 def _times(t: torch.Tensor, factor: float) -> torch.Tensor:
@@ -223,19 +230,21 @@ def coalesce_layers(fine_layers: Sequence[Mapping[str, torch.Tensor]], level_map
 
 
 def decoalesce_layer(coarse_layer: Mapping[str, torch.Tensor], level_map: LevelMap, member: int = 0, *,
-                     upper: Optional[Mapping[str, torch.Tensor]] = None, degree: int = 1) -> StateDict:
+                     upper: Optional[Mapping[str, torch.Tensor]] = None, degree: int = 1,
+                     keep_branches: bool = False) -> StateDict:
     """The fine layer de-coalesced from one coarse layer, as the ``member``-th layer (0 or 1) of its
     depth group (``depth_groups``). Both copy it, but for the residual-branch outputs: halved in
-    each with ``ode`` scaling, kept by the first and zero in the second with ``identity``, and
-    under depth-muP divided by the multipliers' ratio (:func:`branch_ratio`, to the power
-    ``degree`` for an optimizer state), so that the kept branch computes what it computed. With
-    ``upper`` (the coarse layer above, ``upper_layer``; at least ``coarse_layer``'s names), width
-    grows by AKI (:func:`decoalesce_tensor_aki`) instead of FPI. Every tensor returned is new
-    (never one of ``coarse_layer``'s), so each call's layer is independent."""
+    each with ``ode`` scaling, kept by the first and zero in the second with ``identity``; where the
+    transition keeps the branches (``identity``, or ``keep_branches``: MSG's masked growth), under
+    depth-muP divided by the multipliers' ratio (:func:`branch_ratio`, to the power ``degree`` for
+    an optimizer state), so that a kept branch computes what it computed. With ``upper`` (the
+    coarse layer above, ``upper_layer``; at least ``coarse_layer``'s names), width grows by AKI
+    (:func:`decoalesce_tensor_aki`) instead of FPI. Every tensor returned is new (never one of
+    ``coarse_layer``'s), so each call's layer is independent."""
     assert member in (0, 1) and (member == 0 or level_map.depth), member
     rules = parameter_plan(level_map.fine).layer
     identity = level_map.depth and level_map.depth_scaling == "identity"
-    ratio = branch_ratio(level_map) ** degree
+    ratio = branch_ratio(level_map) ** degree if keeps_branches(level_map, keep_branches) else 1.0
     out = {}
     for name, t in coarse_layer.items():
         if is_metadata(name):
@@ -246,7 +255,7 @@ def decoalesce_layer(coarse_layer: Mapping[str, torch.Tensor], level_map: LevelM
         if identity and rule.residual:
             out[name] = _times(fine, 1.0 / ratio) if member == 0 else torch.zeros_like(fine)
             continue
-        out[name] = _times(fine, 1.0 / _residual_scale(level_map, rule, degree))
+        out[name] = _times(fine, 1.0 / _residual_scale(level_map, rule, degree, keep_branches))
     return out
 
 
@@ -330,10 +339,11 @@ def coalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap, *, deg
 
 
 def decoalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap, *, width_growth: str = "fpi",
-               degree: int = 1) -> StateDict:
+               degree: int = 1, keep_branches: bool = False) -> StateDict:
     """The fine model's parameters (an optimizer state's, with its ``degree``) de-coalesced from
     the coarse model's full state dict; with ``width_growth`` "aki", every layer widened by AKI
-    (:func:`decoalesce_tensor_aki`)."""
+    (:func:`decoalesce_tensor_aki`); ``keep_branches``: as for MSG's masked growth
+    (:func:`decoalesce_layer`)."""
     check_width_growth(width_growth, level_map)
     coarse_layers = level_map.coarse.num_layers
     model, layers = split_layers(state_dict, level_map.fine, coarse_layers, "coarse")
@@ -342,7 +352,8 @@ def decoalesce(state_dict: Mapping[str, torch.Tensor], level_map: LevelMap, *, w
         k = coarse_layer_of(level_map, j)
         prefix = layer_prefix(level_map.fine, j)
         upper = layers[upper_layer(level_map, k)] if width_growth == "aki" else None
-        fine = decoalesce_layer(layers[k], level_map, group_member(level_map, j), upper=upper, degree=degree)
+        fine = decoalesce_layer(layers[k], level_map, group_member(level_map, j), upper=upper, degree=degree,
+                                keep_branches=keep_branches)
         out.update({prefix + name: t for name, t in fine.items()})
     return out
 

@@ -110,7 +110,8 @@ def _grown_logits_under_mup(variant: str, growth: str, exponent: float, base: in
     coarse = random_state_dict(lm.coarse, seed=21)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.max_sequence_length), generator=torch.Generator().manual_seed(0))
     logits = []
-    for c, state in ((lm.coarse, coarse), (cfg, decoalesce(coarse, lm))):
+    grown = decoalesce(coarse, lm, keep_branches=growth == "msg")
+    for c, state in ((lm.coarse, coarse), (cfg, grown)):
         model = build_model(c)
         load_parameters(model, state)
         if c is cfg and growth == "msg":
@@ -133,9 +134,10 @@ def test_a_growth_that_preserves_the_function_does_under_depth_mup(variant, grow
 
 
 def test_depth_mup_growth_rescales_branches_and_states_by_the_multipliers_ratio():
-    """CompleteP at base 1, 2 -> 4 layers: the multiplier goes 1/2 -> 1/4, so the kept layers'
-    residual-branch outputs double (the function kept); Adam's first moment (gradient units)
-    halves, its second quarters; the rest is copied; coalescing back is the inverse."""
+    """CompleteP at base 1, 2 -> 4 layers: the multiplier goes 1/2 -> 1/4, so MSG's kept layers and
+    their copies double their residual-branch outputs (the function kept); Adam's first moment
+    (gradient units) halves, its second quarters; the rest is copied. Plain copies (no mask: Bu's
+    expansion) copy the weights, each level's multiplier acting on them."""
     from megatron_multilevel.config import STATE_DEGREE
     from megatron_multilevel.level_maps import make_level_map
     from megatron_multilevel.operators import coalesce, decoalesce
@@ -143,9 +145,10 @@ def test_depth_mup_growth_rescales_branches_and_states_by_the_multipliers_ratio(
     cfg = small_config("gpt_tied", num_layers=4, depth_mup_base_layers=1, depth_mup_exponent=1.0)
     lm = make_level_map(cfg, width=False, depth_pairing="halves")
     coarse = random_state_dict(lm.coarse, seed=22)
-    for key, factor in ((None, 2.0), ("exp_avg", 0.5), ("exp_avg_sq", 0.25)):
+    cases = [(key, factor, True) for key, factor in ((None, 2.0), ("exp_avg", 0.5), ("exp_avg_sq", 0.25))]
+    for key, factor, keep in cases + [(None, 1.0, False), ("exp_avg_sq", 1.0, False)]:
         degree = 1 if key is None else STATE_DEGREE[key]
-        fine = decoalesce(coarse, lm, degree=degree)
+        fine = decoalesce(coarse, lm, degree=degree, keep_branches=keep)
         for j, k in ((0, 0), (1, 1), (2, 0), (3, 1)):  # halves: fine layer j copies coarse layer k
             for name, t in coarse.items():
                 prefix = f"decoder.layers.{k}."
@@ -154,8 +157,10 @@ def test_depth_mup_growth_rescales_branches_and_states_by_the_multipliers_ratio(
                 got = fine[f"decoder.layers.{j}." + name[len(prefix):]]
                 residual = ".linear_proj." in name or ".linear_fc2." in name
                 assert torch.equal(got, t * factor if residual else t), (key, j, name)
-        back = coalesce(fine, lm, degree=degree)
-        assert all(torch.allclose(back[n], coarse[n], rtol=0, atol=1e-7) for n in coarse), key
+    identity = make_level_map(cfg, width=False, depth_pairing="halves", depth_scaling="identity")
+    for degree in (1, -1, -2):  # identity layers keep their branches: coalescing is the inverse
+        back = coalesce(decoalesce(coarse, identity, degree=degree), identity, degree=degree)
+        assert all(torch.allclose(back[n], coarse[n], rtol=0, atol=1e-6) for n in coarse), degree
 
 
 def test_each_level_of_a_run_takes_its_own_depths_multiplier():

@@ -421,7 +421,7 @@ def test_vocabulary_moves_in_slabs(tmp_path):
     assert results[0][2]["collectives"] == 0  # the fast path still communicates nothing
 
 
-def _grow_case(cfg, lm, coarse_tp, coarse_stage, fine_tp, fine_stage, width_growth="fpi") -> dict:
+def _grow_case(cfg, lm, coarse_tp, coarse_stage, fine_tp, fine_stage, width_growth="fpi", keep_branches=False) -> dict:
     """Two steps of the coarse model of ``lm``, a growth to ``cfg`` with the coarse AdamW moments
     carried (``width_growth``), one step of the grown model: the largest difference of each of its
     parameters and moments from the operators applied to the gathered coarse ones, the step counts
@@ -444,12 +444,13 @@ def _grow_case(cfg, lm, coarse_tp, coarse_stage, fine_tp, fine_stage, width_grow
                      fine_layout=Layout(fine_tp, fine_stage), width_growth=width_growth,
                      build_target=functools.partial(build_empty_model, lm.fine, Layout(fine_tp, fine_stage),
                                                     _ds_config(fine_stage, 1)),
-                     optimizer=coarse.optimizer, moments=STATE["adamw"])
+                     optimizer=coarse.optimizer, moments=STATE["adamw"], keep_branches=keep_branches)
     del coarse
     fine = _engine(staged.model, fine_stage)
     load_moments(fine, staged)
     diffs = {k: _max_diff(_reference_gather(fine, cfg, k),
-                          decoalesce(m, lm, width_growth=width_growth, degree=1 if k is None else STATE_DEGREE[k]))
+                          decoalesce(m, lm, width_growth=width_growth, degree=1 if k is None else STATE_DEGREE[k],
+                                     keep_branches=keep_branches))
              for k, m in moments.items()}
     steps = {float(s["step"]) for s in inner_torch_optimizer(fine.optimizer).state.values()}
     losses.append(_train_step(fine, cfg, seed=3))
@@ -459,21 +460,23 @@ def _grow_case(cfg, lm, coarse_tp, coarse_stage, fine_tp, fine_stage, width_grow
 def _grow_worker(rank, world, layouts, depth_scaling="none"):
     """Progressive growth with the coarse AdamW moments carried: the grown model's parameters and
     moments are the coarse ones de-coalesced (halves pairing: stacked), its step count the coarse
-    optimizer's. ``...-mup``: under depth-muP (CompleteP, base 1), where the kept branches and
-    their moments are rescaled by the multipliers' ratio (``operators.branch_ratio``)."""
+    optimizer's. ``...-mup``: under depth-muP (CompleteP, base 1), where identity layers and MSG's
+    masked growth (``msg``) rescale the kept branches and their moments by the multipliers' ratio
+    (``operators.keeps_branches``)."""
     import dataclasses
 
     from megatron_multilevel.level_maps import make_level_map
 
     cfg = _model_config("gpt")
+    keep = depth_scaling == "msg-mup"
     if depth_scaling.endswith("-mup"):
-        depth_scaling = depth_scaling.removesuffix("-mup")
+        depth_scaling = "none" if keep else depth_scaling.removesuffix("-mup")
         cfg = dataclasses.replace(cfg, depth_mup_base_layers=1, depth_mup_exponent=1.0)
     lm = make_level_map(cfg, width=False, depth_pairing="halves", depth_scaling=depth_scaling)
-    return [_grow_case(cfg, lm, *layout) for layout in layouts]
+    return [_grow_case(cfg, lm, *layout, keep_branches=keep) for layout in layouts]
 
 
-@pytest.mark.parametrize("depth_scaling", ["none", "identity", "identity-mup"])
+@pytest.mark.parametrize("depth_scaling", ["none", "identity", "identity-mup", "msg-mup"])
 def test_growing_carries_the_coarse_moments(tmp_path, depth_scaling):
     # (coarse TP, coarse ZeRO stage, fine TP, fine ZeRO stage)
     (one,) = run_ranks(_grow_worker, 1, tmp_path / "one", [(1, 0, 1, 0)], depth_scaling)

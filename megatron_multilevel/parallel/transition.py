@@ -158,6 +158,7 @@ def prolong(
     width_growth: str = "fpi",
     grown: str = "copy",
     grown_moments: str = "copy",
+    keep_branches: bool = False,
 ) -> Staged:
     """Build the fine level again: de-coalesce the coarse model and interpolate with ``before``.
 
@@ -174,7 +175,9 @@ def prolong(
     Growing in depth, the layers growth adds (the second of every depth group) are copies
     (``grown`` "copy") or freshly initialised (``"fresh"``: ``growth/fresh.py``, seeded by ``seed``,
     their residual outputs zero under ``identity`` depth scaling), and their mapped moments copies
-    (``grown_moments`` "copy") or zero (``"zero"``).
+    (``grown_moments`` "copy") or zero (``"zero"``). ``keep_branches``: the growth masks the
+    layers it adds (MSG), so the kept branches are kept as the coarse model computed them
+    (``operators.keeps_branches``: rescaled under depth-muP, their optimizer state with them).
     """
     check_alpha(alpha)
     check_layouts(level_map.fine, level_map.coarse, fine_layout, coarse_layout)
@@ -201,12 +204,14 @@ def prolong(
     fine_model = build_target()
     writer = ModelWriter(fine_model, level_map.fine, Groups.current(), local=fast)
     _prolong_stream(reader, before and before.params, writer, op_map, alpha, perturbation_std=perturbation_std,
-                    seed=seed, correction=correction, width_growth=width_growth, grown=grown)
+                    seed=seed, correction=correction, width_growth=width_growth, grown=grown,
+                    keep_branches=keep_branches)
     staged = Staged(fine_model, level_map.fine, fast, step=step)
     for key, moment_reader in moment_readers.items():
         staged.moments[key] = Snapshot(snapshot_group(fast))
         _prolong_stream(moment_reader, None if before is None else before.moments[key], staged.moments[key], op_map,
-                        alpha, width_growth=width_growth, grown=grown_moments, degree=STATE_DEGREE[key])
+                        alpha, width_growth=width_growth, grown=grown_moments, degree=STATE_DEGREE[key],
+                        keep_branches=keep_branches)
     return staged
 
 
@@ -263,7 +268,8 @@ def _seeded_noise(writer: ModelWriter, seed: int, key: str, prefix: str):
 
 def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, alpha: float, *,
                     perturbation_std: float = 0.0, seed: int = 0, correction: bool = False,
-                    width_growth: str = "fpi", grown: str = "copy", degree: int = 1) -> None:
+                    width_growth: str = "fpi", grown: str = "copy", degree: int = 1,
+                    keep_branches: bool = False) -> None:
     """De-coalesce and interpolate (or correct) parameter by parameter (slab by slab of
     vocabulary rows). The correction's starting coarse model is coalesced again from ``before``,
     one depth group at a time, as ``_coarsen_stream`` made it. AKI reads each parameter of the
@@ -291,7 +297,8 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
             start = coalesce_layers(before, level_map, degree=degree) if correction and before else None
             for i, j in enumerate(members):
                 member = group_member(level_map, j)
-                decoalesced = decoalesce_layer(coarse, level_map, member, upper=upper, degree=degree)
+                decoalesced = decoalesce_layer(coarse, level_map, member, upper=upper, degree=degree,
+                                               keep_branches=keep_branches)
                 if not before:  # growing (alpha 1); new tensors per fine layer: the writer adopts them
                     values = decoalesced if member == 0 else _grown_layer(decoalesced, grown, writer, level_map,
                                                                           seed, j)

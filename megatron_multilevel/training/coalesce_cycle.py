@@ -93,6 +93,7 @@ class CoalesceCycle:
                 width_growth=ml.width_growth if before is None else "fpi",
                 grown="fresh" if before is None and ml.growth_operator == "random" else "copy",
                 grown_moments="zero" if before is None and ml.grown_moments == "zero" else "copy",
+                keep_branches=before is None and ml.growth_mask_steps > 0,
             )
             ctx.state.open_levels.pop(nxt.level, None)
             grown = "de-coalesced, grown" + (" by AKI" if ml.width_growth == "aki" else "")
