@@ -36,7 +36,7 @@ ACCEPTED = {
     ],
     MultilevelConfig: [
         "alpha", "coalesce_depth", "coalesce_width", "depth_pairing", "depth_scaling", "enabled",
-        "cycle", "grown_moments", "growth_mask_steps", "growth_operator", "interpolation", "keep_fine", "levels", "ligo_lr", "ligo_steps",
+        "cycle", "grown_moments", "growth_in_decay", "growth_mask_steps", "growth_operator", "interpolation", "keep_fine", "levels", "ligo_lr", "ligo_steps",
         "lr_schedule", "num_levels", "ode",
         "optimizer_state", "perturbation_std", "strategy",
         "width_growth", "width_pairing",
@@ -55,7 +55,7 @@ ACCEPTED = {
     VisitConfig: ["lr", "steps"],
     LRConfig: ["decay", "decay_fraction", "min_ratio", "peak", "warmup_steps"],
     DataConfig: [
-        "blend", "cache_dir", "masking_probability", "num_workers", "prefix", "seq_length",
+        "blend", "cache_dir", "masking_probability", "num_workers", "order_samples", "prefix", "seq_length",
         "short_sequence_probability", "split", "tokenizer_model", "valid_seed",
     ],
     TrainingConfig: [

@@ -259,3 +259,28 @@ def test_with_schedule_gives_the_ode_strategy_the_runs_decay(lr_schedule):
     # one warm-up, at the start (as scratch's), then the peak until the decay
     assert factors[:40] == pytest.approx([(s + 1) / 40 for s in range(40)])
     assert factors[40: int(0.8 * total) - 1] == [1.0] * (int(0.8 * total) - 41) and factors[-1] < 0.05
+
+
+def test_a_growth_inside_the_decay_is_refused_unless_asked_for():
+    """One schedule over the run (WSD, the last 20% decaying): the one-layer model for 70% of the
+    steps grows before the decay starts; for 90%, after it, refused in one line naming the key."""
+    from megatron_multilevel.config import load_config
+
+    def config(share: float, **extra) -> dict:
+        lr = {"peak": 4e-3, "warmup_steps": 10, "decay": "1-sqrt", "decay_fraction": 0.2, "min_ratio": 0.0}
+        small, total = round(100 * share), 100
+        return {"train_batch_size": 8, "data": {"seq_length": 32},
+                "model": {"kind": "gpt", "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+                          "vocab_size": 64, "max_sequence_length": 32},
+                "multilevel": {"enabled": True, "cycle": "grow", "num_levels": 2, "alpha": 1.0,
+                               "coalesce_width": False, "coalesce_depth": True, "depth_pairing": "halves",
+                               "lr_schedule": "continue", **extra,
+                               "levels": [{"steps_after": total - small, "lr_after": lr},
+                                          {"steps_before": small, "lr_before": lr}]}}
+
+    load_config(config(0.7))
+    load_config(config(0.82))  # step 82 of 100: the decay starts at step 82 (10 + 90 - 18)
+    with pytest.raises(ValueError, match=r"grown at step 83 of 100, after the decay .*\(step 82.*growth_in_decay") as e:
+        load_config(config(0.83))
+    assert "\n" not in str(e.value)
+    assert load_config(config(0.9, growth_in_decay=True)).multilevel.growth_in_decay

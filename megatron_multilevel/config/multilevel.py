@@ -200,6 +200,11 @@ class MultilevelConfig:
     phase keeps its own peak (a coarse level's learning-rate factor), and the warm-up of a later
     phase becomes a re-warm-up, a linear ramp to where the run's schedule stands. Every phase must
     then name the same ``decay`` and ``min_ratio``. Both strategies."""
+    growth_in_decay: bool = False
+    """With one schedule over the run (``lr_schedule: "continue"``) that decays over its last
+    ``decay_fraction`` (WSD), a growth that comes after the decay has started is refused unless
+    this is true: the grown model would train only at a decaying rate (Bu's expansion comes before
+    the decay)."""
 
     def __post_init__(self):
         if self.strategy == "ode":
@@ -226,6 +231,7 @@ class MultilevelConfig:
             if self.levels[-1].steps_after:
                 raise ValueError("multilevel.levels[-1].steps_after must be 0: the coarsest level trains steps_before")
             self._check_visits()
+            self._check_growth_before_decay()
             self._check_growth_mask()
             self._check_growth_operator()
             self._check_grown_moments()
@@ -282,6 +288,26 @@ class MultilevelConfig:
         """The phases that start at a level a transition grows (the first arrival at it in an F- or
         grow cycle)."""
         return [spec for spec, how in zip(self.phase_specs(), arrivals(self.walk())) if how == "grow"]
+
+    def _check_growth_before_decay(self) -> None:
+        """A growth inside the run's decay (WSD under one schedule) is refused unless asked for."""
+        if self.lr_schedule != "continue" or self.growth_in_decay:
+            return
+        specs, start = self.phase_specs(), 0
+        trained = [spec for spec in specs if spec.steps]
+        if not trained or trained[0].lr.decay_fraction >= 1.0 or trained[0].lr.decay == "constant":
+            return
+        lr, total = trained[0].lr, sum(spec.steps for spec in specs)
+        span = max(1, total - lr.warmup_steps)
+        decay_start = lr.warmup_steps + span - max(1, round(lr.decay_fraction * span))  # as schedule.lr_factor
+        for spec, how in zip(specs, arrivals(self.walk())):
+            if how == "grow" and start > decay_start:
+                raise ValueError(
+                    f"multilevel: level {spec.level} is grown at step {start} of {total}, after the decay of the "
+                    f"run's schedule has started (step {decay_start}: lr.decay_fraction {lr.decay_fraction}); grow "
+                    f"before it (shorten the smaller levels' steps or the decay), or set "
+                    f"multilevel.growth_in_decay = true")
+            start += spec.steps
 
     def grown_levels(self) -> list[int]:
         """The levels that a transition grows."""
