@@ -64,3 +64,9 @@ def test_relative_links_point_to_files_that_exist():
               for path in [README, *DOCS] for target in relative_links(path)
               if not (path.parent / target).exists()]
     assert DOCS and not broken, broken
+
+
+def test_readme_stays_a_front_door():
+    """At most 120 lines: the figures live in docs/results.md, the README keeps its answer."""
+    lines = len(README.read_text().splitlines())
+    assert lines <= 120, f"README.md has {lines} lines; move detail into docs/"
