@@ -58,6 +58,7 @@ def describe(path: str) -> dict:
 def verify(path: str) -> tuple[bool, str]:
     """Whether the files of the run checkpoint at ``path`` (a checkpoint, or a run: its latest)
     have the sizes and CRC-32 its sidecar recorded, and a line saying so."""
+    from megatron_multilevel.config.parsing import read_json_object
     from megatron_multilevel.training import manifest
     from megatron_multilevel.training.checkpoint import SIDECAR, checkpoint_dir, latest_tag
 
@@ -68,10 +69,9 @@ def verify(path: str) -> tuple[bool, str]:
     if not os.path.exists(sidecar):
         raise ValueError(f"{path} is not a complete run checkpoint (no {SIDECAR}); --verify checks those")
     try:
-        with open(sidecar) as f:
-            files = json.load(f).get("files")
-    except (OSError, json.JSONDecodeError) as e:
-        return False, f"{sidecar} is unreadable ({e})"
+        files = read_json_object(sidecar).get("files")
+    except ValueError as e:
+        return False, f"unreadable: {e}"
     if files is None:
         return True, f"{path}: written before checkpoints recorded their files; nothing to check"
     problem = manifest.problem(path, files)

@@ -18,12 +18,17 @@ from megatron_multilevel.checkpoints.hf import (
     check_exportable, from_hf_state_dict, hf_logits, hf_model, hf_model_class, model_config_from_hf, to_hf_state_dict)
 from megatron_multilevel.checkpoints.hf_generation import check_generation, write_tokenizer
 from megatron_multilevel.config import DataConfig, ModelConfig, check_alpha, check_model_parallel
+from megatron_multilevel.config.parsing import read_json_object
 from megatron_multilevel.data.tokenizer import run_tokenizer_copy
 from megatron_multilevel.level_maps import LayerSelection, LevelMap, make_level_map
 from megatron_multilevel.ode_operators import fold_branch_multiplier, fold_step
 from megatron_multilevel.operators import coalesce, decoalesce, interpolate
 from megatron_multilevel.parallel.tp_layout import shard
 from megatron_multilevel.plan import parameter_plan
+from megatron_multilevel.training.safe_load import load_restricted, only_safe_globals
+
+HF_SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
+HF_PICKLE, HF_PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 
 
 class VerificationError(RuntimeError):
@@ -275,16 +280,44 @@ def to_hf(src: str, out: str, *, overwrite: bool, tokenizer: Optional[str] = Non
     print(f"wrote {out} ({type(model).__name__} and its tokenizer)")
 
 
+def hf_pickled_weights(src: str, config: dict) -> list[str]:
+    """The torch pickles of the Hugging Face model ``src`` (its ``config.json`` holds ``config``) that
+    ``from_pretrained`` reads: none where it has safetensors (preferred), else ``pytorch_model.bin``
+    or the shards its index names."""
+    named = config.get("transformers_weights")  # read by transformers instead of any other file
+    if named is not None:
+        names = [named]
+    elif any(os.path.isfile(os.path.join(src, name)) for name in HF_SAFETENSORS):
+        return []
+    elif os.path.isfile(os.path.join(src, HF_PICKLE)):
+        names = [HF_PICKLE]
+    elif os.path.isfile(os.path.join(src, HF_PICKLE_INDEX)):
+        shards = read_json_object(os.path.join(src, HF_PICKLE_INDEX)).get("weight_map")
+        names = sorted(set(shards.values())) if isinstance(shards, dict) else [None]
+    else:
+        raise ValueError(f"{src} holds no weights transformers reads ({', '.join(HF_SAFETENSORS)}, {HF_PICKLE}, "
+                         f"{HF_PICKLE_INDEX})")
+    for name in names:
+        if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name:
+            raise ValueError(f"{src}: its config or index names the weights file {name!r}, not a file inside it")
+    return [os.path.join(src, name) for name in names if not name.endswith((".safetensors", ".safetensors.index.json"))]
+
+
 def from_hf(src: str, out: str, *, fmt: str, overwrite: bool) -> None:
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise ValueError(f"{src} is not a Hugging Face checkpoint directory (no config.json)")
+    pickled = hf_pickled_weights(src, read_json_object(os.path.join(src, "config.json")))
     prepare_output(out, overwrite, src)
     _quiet_transformers()
     from transformers import AutoConfig
 
     _progress(1, 4, f"loading {src}")
+    for path in pickled:  # transformers reads them with weights_only too, but only refuses in a traceback
+        load_restricted(path, (), "a Hugging Face model's weights", mmap=True)
     hf_cfg = AutoConfig.from_pretrained(src, local_files_only=True)
-    model = hf_model_class(hf_cfg.model_type).from_pretrained(src, local_files_only=True).eval()
+    with only_safe_globals(()):
+        model = hf_model_class(hf_cfg.model_type).from_pretrained(
+            src, local_files_only=True, use_safetensors=not pickled).eval()
     hf_sd = {k: v.detach().float() for k, v in model.state_dict().items()}
     cfg = model_config_from_hf(hf_cfg, hf_sd)
     _progress(2, 4, "converting its tensors to Megatron names and back")

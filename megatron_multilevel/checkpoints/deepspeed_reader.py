@@ -13,7 +13,6 @@ Files are read here, never by ``zero_to_fp32`` (which unpickles with ``weights_o
 import contextlib
 import glob
 import io
-import json
 import os
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ import torch
 
 from megatron_multilevel.training.safe_load import load_checkpoint_file
 from megatron_multilevel.config import ModelConfig, RunConfig, load_config
+from megatron_multilevel.config.parsing import read_json_object
 from megatron_multilevel.config.pipeline import PipelineSplit
 from megatron_multilevel.level_maps import LevelMap
 from megatron_multilevel.parallel.stages import TIED_OUTPUT, global_name
@@ -54,8 +54,7 @@ def open_checkpoint(source: str) -> DeepSpeedCheckpoint:
     source = os.path.abspath(source)
     if os.path.isfile(os.path.join(source, SIDECAR)):
         path = source
-        with open(os.path.join(path, SIDECAR)) as f:
-            sidecar = json.load(f)
+        sidecar = read_json_object(os.path.join(path, SIDECAR))
         tag = os.path.basename(path)
     else:
         run = os.path.dirname(source) if os.path.basename(source) == "checkpoints" else source

@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 
 from megatron_multilevel.config import ModelConfig
-from megatron_multilevel.config.parsing import parse_dataclass
+from megatron_multilevel.config.parsing import parse_dataclass, read_json_object
+from megatron_multilevel.training.safe_load import load_restricted
 
 META = "checkpoint.json"
 FORMATS = ("safetensors", "torch")
@@ -81,25 +82,23 @@ def save_full(path: str, tensors: dict[str, torch.Tensor], model: ModelConfig, *
 
 def is_full(path: str) -> bool:
     meta = os.path.join(path, META)
-    if not os.path.isfile(meta):
-        return False
-    with open(meta) as f:
-        return json.load(f).get("kind") == KIND
+    return os.path.isfile(meta) and read_json_object(meta).get("kind") == KIND
 
 
 def load_full(path: str) -> tuple[dict[str, torch.Tensor], ModelConfig, dict]:
     """``(tensors, model config, metadata)``; checksums are verified."""
-    with open(os.path.join(path, META)) as f:
-        meta = json.load(f)
+    meta = read_json_object(os.path.join(path, META))
     if meta.get("kind") != KIND:
         raise ValueError(f"{path} is not a consolidated checkpoint of this project")
+    if meta.get("format") not in FORMATS:
+        raise ValueError(f"{path}: {META} names the format {meta.get('format')!r}; valid choices are {list(FORMATS)}")
     file = os.path.join(path, FILES[meta["format"]])
-    if meta["format"] == "safetensors":
+    if meta["format"] == "safetensors":  # tensors and a JSON header: no pickle
         from safetensors.torch import load_file
 
         tensors = load_file(file)
     else:
-        tensors = torch.load(file, map_location="cpu", weights_only=True)
+        tensors = load_restricted(file, (), "a consolidated checkpoint of this project")
     bad = [k for k, v in tensors.items() if meta["checksums"].get(k) != checksum(v)]
     if bad or set(tensors) != set(meta["checksums"]):
         raise ValueError(f"{path}: tensors do not match their checksums: {bad[:6] or 'missing or extra tensors'}")

@@ -12,7 +12,6 @@ loaded the way the trainer loads it and its logits compared with the source's be
 """
 
 import dataclasses
-import json
 import os
 from typing import Optional
 
@@ -21,6 +20,7 @@ from megatron_multilevel.checkpoints.convert import load_source
 from megatron_multilevel.checkpoints.full import prepare_output
 from megatron_multilevel.checkpoints.reshard import rank_worker
 from megatron_multilevel.config import config_to_dict, load_config
+from megatron_multilevel.config.parsing import read_json_object
 from megatron_multilevel.level_maps import run_level_maps
 from megatron_multilevel.parallel.spawn import run_ranks
 from megatron_multilevel.training.checkpoint import RunState
@@ -30,8 +30,7 @@ from megatron_multilevel.training.schedule import build_phases, schedule_signatu
 
 def init_run(src: str, config_path: str, out: str, *, num_gpus: Optional[int] = None, overwrite: bool = False,
              fresh_optimizer: bool = False) -> None:
-    with open(config_path) as f:
-        config = json.load(f)
+    config = read_json_object(config_path)
     config.setdefault("training", {})["output_dir"] = os.path.abspath(out)
     cfg = load_config(config)
     tp, pp = cfg.level_tp_sizes()[0], cfg.level_pipelines()[0].size

@@ -2,7 +2,6 @@
 checkpoints to Megatron-Core ``torch_dist`` (Megatron-LM's save layout) and back, each verified
 before it reports success (``megatron_dist`` holds the format)."""
 
-import json
 import os
 import shutil
 from typing import Optional
@@ -15,6 +14,7 @@ from megatron_multilevel.checkpoints.deepspeed_reader import open_checkpoint
 from megatron_multilevel.checkpoints.full import prepare_output, save_full
 from megatron_multilevel.checkpoints.reshard import state_worker
 from megatron_multilevel.config import load_config
+from megatron_multilevel.config.parsing import read_json_object
 from megatron_multilevel.parallel.spawn import run_ranks
 
 
@@ -78,8 +78,7 @@ def from_megatron(src: str, out: str, *, config: Optional[str], fmt: str, overwr
     model as ``config``'s model block says (default: the config the checkpoint records)."""
     model = None
     if config is not None:
-        with open(config) as f:
-            model = load_config(json.load(f)).model
+        model = load_config(read_json_object(config)).model
     prepare_output(out, overwrite, src)
     source = load_source(src, model)
     save_full(out, source.tensors, source.model, source=source.description, fmt=fmt, tokenizer=source.tokenizer)

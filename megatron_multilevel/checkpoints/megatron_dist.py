@@ -15,14 +15,13 @@ made by Megatron-Core's ``optim_state_to_sharding_state`` from a torch optimizer
 as its ``FP32Optimizer`` does. A depth-muP model's branch multiplier, which Megatron-Core's layers
 do not have, is folded into the branch outputs on the way out and taken out on the way in, so both
 sides compute the same function; its optimizer state does not cross (the parametrisations differ).
+Its pickles are read through ``safe_dist``, which runs nothing a checkpoint names.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
-import pickle
 import re
 import shutil
 import tempfile
@@ -30,7 +29,9 @@ from typing import Optional
 
 import torch
 
+from megatron_multilevel.checkpoints import safe_dist
 from megatron_multilevel.config import ModelConfig
+from megatron_multilevel.config.parsing import parse_dataclass, read_json_object
 from megatron_multilevel.data.tokenizer import keep_tokenizer, run_tokenizer_copy
 from megatron_multilevel.distributed import init_single_process, set_tensor_model_parallel_size
 from megatron_multilevel.models import build_model, load_parameters
@@ -70,13 +71,14 @@ def iteration_dir(path: str) -> tuple[str, Optional[int]]:
 
 
 def is_torch_dist(path: str) -> bool:
-    """Whether ``path`` is a ``torch_dist`` checkpoint (a save directory or one iteration's)."""
+    """Whether ``path`` is a ``torch_dist`` checkpoint (a save directory or one iteration's); a
+    ``metadata.json`` that is no JSON object of a few MB is a ``ValueError``."""
     try:
         directory, _ = iteration_dir(path)
-        with open(os.path.join(directory, "metadata.json")) as f:
-            return json.load(f).get("sharded_backend") == "torch_dist"
     except (OSError, ValueError):
         return False
+    config = os.path.join(directory, "metadata.json")
+    return os.path.isfile(config) and read_json_object(config).get("sharded_backend") == "torch_dist"
 
 
 def _save_root(path: str) -> str:
@@ -192,11 +194,13 @@ def _config_of(root: str, directory: str, common: dict, keys) -> Optional[ModelC
     its ``common`` state (a BERT by its masked-LM head among the tensor ``keys``)."""
     info = os.path.join(root, INFO_FILE)
     if os.path.isfile(info):
-        with open(info) as f:
-            return ModelConfig(**json.load(f)["model"])
+        return parse_dataclass(ModelConfig, read_json_object(info).get("model"), f"{info}: model")
     args = common.get("args")
     if args is None:
         return None
+    if not isinstance(args, argparse.Namespace):
+        raise ValueError(f"{directory}: its common state's args is a {type(args).__name__}, not Megatron-LM's "
+                         f"argparse.Namespace; pass --config")
     a = vars(args)
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                            "max_position_embeddings") if a.get(k) is None]
@@ -218,27 +222,6 @@ def _config_of(root: str, directory: str, common: dict, keys) -> Optional[ModelC
         normalization=a.get("normalization", "LayerNorm"), activation="swiglu" if a.get("swiglu") else "gelu",
         add_bias_linear=a.get("add_bias_linear", True), layernorm_epsilon=a.get("norm_epsilon", 1e-5),
         num_tokentypes=2 if binary else 0, add_binary_head=binary, fp8=a.get("fp8"))
-
-
-@contextlib.contextmanager
-def _common_allowed(directory: str):
-    """Loads of the checkpoint's common state (``common.pt``, read by ``torch.load`` with
-    weights_only) that allow Megatron-LM's ``argparse.Namespace`` and nothing more: a file that asks
-    for any other class is refused, never run."""
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            yield
-    except pickle.UnpicklingError as e:
-        raise ValueError(f"{directory}: its common state (common.pt) asks for more than tensors and "
-                         f"argparse.Namespace, and is not loaded (nothing in a checkpoint runs here): {e}") from None
-
-
-def _common(directory: str) -> dict:
-    """The checkpoint's common (non-sharded) state."""
-    from megatron.core import dist_checkpointing
-
-    with _common_allowed(directory):
-        return dist_checkpointing.load_common_state_dict(directory)
 
 
 def _find_step(optimizer_state) -> Optional[int]:
@@ -265,14 +248,13 @@ def _find_step(optimizer_state) -> Optional[int]:
 def read(path: str, model: Optional[ModelConfig] = None, *, optimizer: bool = True) -> MegatronCheckpoint:
     """A ``torch_dist`` checkpoint as full tensors of a model of ``model`` (default: the config it
     records), with its optimizer state where it has one (and ``optimizer``)."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     directory, iteration = iteration_dir(path)
     if not is_torch_dist(path):
         raise ValueError(f"{path} is not a Megatron-Core torch_dist checkpoint (no metadata.json naming torch_dist)")
-    stored = dist_checkpointing.load_tensors_metadata(directory)
-    common = _common(directory)
+    stored = safe_dist.tensor_shapes(safe_dist.read_metadata(directory))  # before any other pickle of it
+    common = safe_dist.load_common(directory)
     cfg = model or _config_of(_save_root(path), directory, common, stored)
     if cfg is None:
         raise ValueError(f"{path} records no model config (neither {INFO_FILE} nor Megatron-LM's args): pass --config")
@@ -283,8 +265,8 @@ def read(path: str, model: Optional[ModelConfig] = None, *, optimizer: bool = Tr
             if sh.key not in stored:
                 raise ValueError(f"{path} has no tensor {sh.key!r}: the model of the config has it ({name}); is it "
                                  f"a checkpoint of this architecture (model.kind {cfg.kind!r})?")
-            if tuple(stored[sh.key].global_shape) != tuple(sh.global_shape):
-                raise ValueError(f"{path}: {sh.key} is {tuple(stored[sh.key].global_shape)} in the checkpoint, "
+            if stored[sh.key] != tuple(sh.global_shape):
+                raise ValueError(f"{path}: {sh.key} is {stored[sh.key]} in the checkpoint, "
                                  f"{tuple(sh.global_shape)} in the model of the config (model.num_layers, "
                                  f"hidden_size, vocab_size, ffn_hidden_size ...)")
     notes = []
@@ -305,8 +287,7 @@ def read(path: str, model: Optional[ModelConfig] = None, *, optimizer: bool = Tr
     for key in keys + ([master] if master else []):
         request[key] = {name: make_sharded_optimizer_tensor(sh, torch.empty_like(sh.data), f"optimizer.state.{key}")
                         for name, sh in sharded.items()}
-    with _common_allowed(directory):
-        loaded = dist_checkpointing.load(request, directory)
+    loaded = safe_dist.load(request, directory)
     weights = {name: t.float() for name, t in (loaded[master] if master else loaded["model"]).items()}
     if master:
         notes.append(f"weights from the optimizer's fp32 master copy (optimizer.state.{master})")

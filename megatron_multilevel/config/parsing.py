@@ -14,16 +14,33 @@ import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
 
+MAX_JSON_BYTES = 8 << 20  # configs, sidecars and metadata of checkpoints are kilobytes
+
+
 def read_json(path: "str | os.PathLike") -> Any:
-    """A JSON file's value; a missing, unreadable or malformed file is a ValueError naming the file
-    (and the line and column where the JSON breaks), not a traceback."""
+    """A JSON file's value; a missing, unreadable, malformed or oversized (``MAX_JSON_BYTES``) file
+    is a ValueError naming the file (and the line and column where the JSON breaks), not a traceback."""
     try:
+        size = os.path.getsize(path)
+        if size > MAX_JSON_BYTES:
+            raise ValueError(f"{path}: {size:,} bytes, more than the {MAX_JSON_BYTES:,} a JSON config or sidecar "
+                             f"may have; refused unread")
         with open(path) as f:
             return json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to be a config or sidecar; refused") from None
     except OSError as e:
         raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def read_json_object(path: "str | os.PathLike") -> dict:
+    """``read_json`` of a file whose top level must be an object (a config, a sidecar)."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object at the top level, got {type(data).__name__}")
+    return data
 
 
 def one_line_warning(message, category, filename, lineno, line=None) -> str:

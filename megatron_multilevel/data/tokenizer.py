@@ -206,6 +206,8 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
 
 def load_tokenizer(path: str) -> "SentencePieceTokenizer | HuggingFaceTokenizer":
     """A SentencePiece model file, or a Hugging Face tokenizer directory."""
+    # A SentencePiece model is a protobuf, a Hugging Face tokenizer JSON and text files read with
+    # local_files_only and no remote code: neither holds a pickle, nothing in them runs.
     if os.path.isdir(path):
         if not any(os.path.isfile(os.path.join(path, f)) for f in HF_TOKENIZER_FILES):
             raise ValueError(f"tokenizer {path!r} is a directory without Hugging Face tokenizer files "

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_multilevel.config.parsing import read_json_object
 from megatron_multilevel.training import manifest
 from megatron_multilevel.training.safe_load import load_checkpoint_file
 
@@ -213,7 +214,16 @@ def latest_tag(run_dir: str) -> Optional[str]:
     if not os.path.exists(pointer):
         return None
     with open(pointer) as f:
-        return f.read().strip()
+        return checked_tag(f.read().strip(), pointer)
+
+
+def checked_tag(tag: str, where: str) -> str:
+    """``tag`` (read from ``where``) if it names a directory inside the checkpoints directory; a tag
+    that leaves it (``../..``, an absolute path) is a ``ValueError``."""
+    if not isinstance(tag, str) or tag in ("", ".", "..") or os.path.basename(tag) != tag:
+        raise ValueError(f"{where} names the checkpoint {str(tag)[:80]!r}, which is not a directory inside the "
+                         f"run's checkpoints directory; refused")
+    return tag
 
 
 def _sidecar_checksum(sidecar: dict) -> int:
@@ -226,16 +236,16 @@ def _sidecar_checksum(sidecar: dict) -> int:
 def _read_sidecar(ckpt: str, tag: str) -> dict:
     path = os.path.join(ckpt, tag, SIDECAR)
     try:
-        with open(path) as f:
-            sidecar = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        sidecar = read_json_object(path)
+    except ValueError as e:
         raise ValueError(f"checkpoint {path} is unreadable ({e})") from None
-    if not isinstance(sidecar, dict) or sidecar.get("format") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {path} has an unsupported format "
-                         f"{sidecar.get('format') if isinstance(sidecar, dict) else sidecar!r}")
+    if sidecar.get("format") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {path} has an unsupported format {sidecar.get('format')!r}")
     # sidecars written before they carried a checksum are read as they are (their files are checked)
     if "checksum" in sidecar and sidecar["checksum"] != _sidecar_checksum(sidecar):
         raise ValueError(f"{path} does not match the checksum written with it")
+    for kept in sidecar.get("state", {}).get("open_levels", {}).values():  # tags a resume reads too
+        checked_tag(kept, path)
     return sidecar
 
 
