@@ -94,6 +94,21 @@ def _shape(cfg) -> str:
     return f"{cfg.model.num_layers} x {cfg.model.hidden_size}"
 
 
+def runs_line(cfg, baseline, control) -> "str | None":
+    """The run's opening line where it trains references after itself: how many runs, what each is,
+    where, and the flags that skip them; None for a run alone."""
+    if baseline is None:
+        return None
+    run_dir = cfg.training.output_dir
+    if control is None:
+        return (f"2 runs: the multilevel run in {run_dir}, then its baseline (the fine model ({_shape(baseline)}) "
+                f"from scratch on the same training FLOPs) in {baseline.training.output_dir}; --no-baseline skips it")
+    return (f"3 runs: the multilevel run in {run_dir}, then its baseline (the fine model ({_shape(baseline)}) from "
+            f"scratch on the same training FLOPs) in {baseline.training.output_dir} and its control (the coarse "
+            f"model ({_shape(control)}) alone) in {control.training.output_dir}; --no-baseline skips both, "
+            f"--no-control the control")
+
+
 def _memory_per_rank() -> tuple[int, str]:
     """The memory one rank trains in, and what it is: its GPU's, or its share of the CPU's."""
     if torch.cuda.is_available():
@@ -135,13 +150,14 @@ def main(argv=None) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
     warnings.filterwarnings("ignore", category=UserWarning)
+    from megatron_multilevel.data.datasets import ordered_samples
     from megatron_multilevel.distributed import init_distributed, shutdown_distributed
     from megatron_multilevel.flops import check_fits
     from megatron_multilevel.study.baseline import report_baseline
     from megatron_multilevel.training.checkpoint import CheckpointError
     from megatron_multilevel.training.run_lock import hold_run_directory
     from megatron_multilevel.training.stop import STOPPED_STATUS, Stopped, StopRequest, die_with_parent
-    from megatron_multilevel.training.trainer import Trainer, TrainingError
+    from megatron_multilevel.training.trainer import Trainer, TrainingError, run_samples
     from megatron_multilevel.training.transition_check import TransitionJump
 
     if "LOCAL_RANK" in os.environ:  # started by a launcher: no rank outlives it
@@ -152,6 +168,11 @@ def main(argv=None) -> int:
         init_distributed(cfg.level_tp_sizes()[0], seed=cfg.training.seed)
         check_fits(cfg.model, torch.distributed.get_world_size(), *_memory_per_rank())
         lock = hold_run_directory(cfg.training.output_dir, print)
+        if torch.distributed.get_rank() == 0 and runs_line(cfg, baseline, control):
+            print(runs_line(cfg, baseline, control), flush=True)
+        for run in (cfg, baseline, control):  # data.order_samples of every run, before any trains
+            if run is not None:
+                ordered_samples(run, run_samples(run, torch.distributed.get_world_size()))
         Trainer(cfg, stop, allow_config_change=args.allow_config_change).run()
         if baseline is not None:
             run_reference(baseline, "baseline", f"the fine model ({_shape(baseline)}) from scratch", stop)

@@ -243,6 +243,9 @@ def test_benchmark_end_to_end(tmp_path):
     runs = {p.stem: json.loads(p.read_text()) for p in (kept / "runs").glob("*.json")}
     assert sorted(runs) == sorted(["scratch-f1-s1234"] + [f"{m}-f{f}-s1234" for m in methods for f in ("0.5", "1")])
     assert {r["version"] for r in runs.values()} == {results["version"]}
+    # every run read a prefix of one sample order: as many samples as the longest run reads
+    assert {r["config"]["data"]["order_samples"] for r in runs.values()} == {
+        max(r["totals"]["steps"] * r["config"]["train_batch_size"] for r in runs.values())}
     scratch = runs["scratch-f1-s1234"]
     target = scratch["totals"]["final_valid_loss"]
     assert results["methods"]["scratch"]["eq_saving_flops"]["median"] == 0.0
@@ -541,6 +544,54 @@ def test_a_kept_run_is_reused_from_another_checkout_only(tmp_path):
     assert not reusable(str(kept), "v1", other)  # another setting
     assert not reusable(str(tmp_path / "missing.json"), "v1", config)
     assert config["data"]["cache_dir"] == "/a/.cache/data"  # the caller's config is left as it was
+
+
+def _run_samples(config: dict) -> int:
+    from megatron_multilevel.training.schedule import build_phases
+
+    return sum(p.steps for p in build_phases(load_config(config))) * config["train_batch_size"]
+
+
+def test_every_run_of_a_table_reads_a_prefix_of_one_sample_order(tmp_path, monkeypatch):
+    """Every run the benchmark launches (scratch, every method at every fraction) is given the same
+    data.order_samples: the training samples of the longest run of the table at the full budget (on
+    the FLOPs budget, the coarse model alone); a later call keeps the kept runs' order."""
+    from megatron_multilevel.study.runs import table_order
+
+    tool = _tool()
+    launched = {}
+
+    def launch(config, path, procs):
+        launched[config["training"]["output_dir"].rsplit("/", 1)[1]] = json.loads(json.dumps(config))
+        return 0.0
+
+    monkeypatch.setattr(tool, "launch", launch)
+    monkeypatch.setattr(tool, "run_result", lambda run_dir, **kw: {"config": kw["config"],
+                                                                   "totals": {"final_valid_loss": 1.0}})
+    monkeypatch.setattr(tool, "write_json", lambda path, value: None)
+    monkeypatch.setattr(tool, "report", lambda *a: {})
+    argv = ["--size", "tiny", "--steps", "40", "--methods", "vcycle2", "stacking", "coarse", "--fractions", "1", "0.7",
+            "--out", str(tmp_path / "work"), "--results", str(tmp_path / "kept")]
+    assert tool.main(argv) == 0
+    methods = ("vcycle2", "stacking", "coarse")
+    assert sorted(launched) == sorted(["scratch-f1-s1234"] + [f"{m}-f{f}-s1234" for m in methods for f in ("1", "0.7")])
+    samples = {run: _run_samples(cfg) for run, cfg in launched.items()}
+    longest = max(samples.values())
+    assert longest == samples["coarse-f1-s1234"] > samples["scratch-f1-s1234"] > samples["vcycle2-f0.7-s1234"]
+    assert {cfg["data"]["order_samples"] for cfg in launched.values()} == {longest}
+    # the table's kept runs fix the order: a later call keeps theirs where it is enough, else stops
+    args = tool.parse_args(tool.build_parser(), argv)
+    configs = tool.variants(args, tool.base_config(args))
+    kept = [{"config": {"data": {"order_samples": longest + 8}}}]
+    assert table_order(configs, [], None, where="kept") == longest
+    assert table_order(configs, kept, None, where="kept") == longest + 8
+    with pytest.raises(ValueError, match=f"the kept runs in kept: an order of {longest - 1} samples is fewer than the "
+                                         f"{longest} training samples of the longest run"):
+        table_order(configs, [{"config": {"data": {"order_samples": longest - 1}}}], None, where="kept")
+    with pytest.raises(ValueError, match="a table reads one order"):
+        table_order(configs, kept, longest, where="kept")
+    with pytest.raises(ValueError, match=f"--order-samples: an order of {longest - 1} samples is fewer"):
+        table_order(configs, [], longest - 1, where="kept")
 
 
 def test_step_times_measured_again_for_a_shape_added_since(tmp_path):

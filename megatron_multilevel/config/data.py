@@ -34,6 +34,8 @@ class DataConfig:
     """Seed of the order (and, for BERT, the masking) of the validation samples. Independent of
     ``training.seed``, so that runs with different seeds, and every method of a comparison, are
     scored on the same validation samples."""
+    order_samples: Optional[int] = None
+    """Training samples the sample order is shuffled for; the run reads its first ones (null: the run's own number)."""
     masking_probability: float = 0.15
     """BERT: share of tokens masked."""
     short_sequence_probability: float = 0.1
@@ -43,6 +45,8 @@ class DataConfig:
 
     def __post_init__(self):
         check_positive("data.seq_length", self.seq_length)
+        if self.order_samples is not None:
+            check_positive("data.order_samples", self.order_samples)
         if self.prefix is not None and self.blend is not None:
             raise ValueError("data.prefix and data.blend are exclusive: prefix is one dataset, blend a mixture")
         if self.blend is not None:

@@ -5,10 +5,11 @@ GPT: ``GPTDataset`` (causal LM); BERT: ``BERTMaskedWordPieceDataset`` (masked LM
 of several (``data.blend``: each split by ``data.split`` on its own, then mixed in proportion to
 the weights by Megatron's ``BlendedDataset``), with a held-out validation split.
 Batches are addressed by global step, so a resumed run reads exactly the samples an
-uninterrupted run would have read, whatever the data-parallel size of each level.
+uninterrupted run would have read, whatever the data-parallel size of each level. Megatron
+shuffles the training split for the number of samples asked for; ``data.order_samples`` asks for
+one number whatever the run's length, so runs of different lengths read prefixes of one order.
 """
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_multilevel.config import RunConfig
+from megatron_multilevel.config.parsing import read_json_object
 from megatron_multilevel.data.corpus import default_corpus
 from megatron_multilevel.data.preprocess import META_SUFFIX
 from megatron_multilevel.data.tokenizer import load_tokenizer
@@ -64,8 +66,7 @@ def dataset_tokenizer(prefix: str) -> Optional[dict]:
     path = prefix + META_SUFFIX
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f).get("tokenizer")
+    return read_json_object(path).get("tokenizer")
 
 
 def check_tokenizers(prefixes: list[str], tokenizer) -> None:
@@ -100,7 +101,7 @@ def check_dataset(prefix: str, tokenizer, vocab_size: int) -> None:
     again in its ``__del__`` (``AttributeError``), printing a traceback after our error."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset, _IndexReader
 
-    try:
+    try:  # raw arrays (numpy memmap and frombuffer), no pickle: nothing in them runs
         index = _IndexReader(prefix + ".idx", multimodal=False)
         assert len(index) > 0, "no sequences"
         needed = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size
@@ -118,11 +119,27 @@ def check_dataset(prefix: str, tokenizer, vocab_size: int) -> None:
         raise ValueError(f"data: {prefix} holds token ids beyond model.vocab_size = {vocab_size}")
 
 
+def ordered_samples(cfg: RunConfig, train_samples: int) -> int:
+    """How many training samples Megatron shuffles for a run that reads ``train_samples`` (the run
+    reads the first ones): ``data.order_samples``, else ``train_samples``. A ``ValueError`` naming the
+    key where it is below ``train_samples``."""
+    wanted = cfg.data.order_samples
+    if wanted is None:
+        return train_samples
+    if wanted < train_samples:
+        raise ValueError(f"data.order_samples = {wanted} is below the {train_samples} training samples the run in "
+                         f"{cfg.training.output_dir} reads; set it to at least {train_samples}, or null")
+    return wanted
+
+
 def build_data(cfg: RunConfig, *, train_samples: int, valid_samples: int) -> Data:
     """Megatron datasets of at least the given numbers of samples (collective over all ranks).
 
-    The training samples follow ``training.seed``; the validation samples follow
-    ``data.valid_seed`` alone, so every run on the same data is scored on the same samples."""
+    The training samples follow ``training.seed`` and are shuffled for ``data.order_samples`` samples
+    where it is set (:func:`ordered_samples`), so that runs of different lengths read prefixes of one
+    order; the validation samples follow ``data.valid_seed`` alone, so every run on the same data is
+    scored on the same samples."""
+    order = ordered_samples(cfg, train_samples)
     sources = resolve_data(cfg)
     tokenizer = load_tokenizer(sources.tokenizer)
     check_tokenizers(sources.prefixes, tokenizer)
@@ -132,7 +149,7 @@ def build_data(cfg: RunConfig, *, train_samples: int, valid_samples: int) -> Dat
         _ = tokenizer.cls, tokenizer.sep, tokenizer.mask  # a clear error now rather than in Megatron's builder
     # Megatron builds every split of non-zero share, and BERT's sample mapping needs a number of
     # samples for each: the split a call does not use gets one sample.
-    train = _build_split(cfg, sources, tokenizer, seed=cfg.training.seed, sizes=[train_samples, 1, 1])
+    train = _build_split(cfg, sources, tokenizer, seed=cfg.training.seed, sizes=[order, 1, 1])
     valid = _build_split(cfg, sources, tokenizer, seed=cfg.data.valid_seed, sizes=[1, valid_samples, 1])
     return Data(train[0], valid[1], tokenizer, os.path.abspath(sources.tokenizer))
 
@@ -173,7 +190,31 @@ def _build_split(cfg: RunConfig, sources: DataSources, tokenizer, *, seed: int, 
             masking_use_geometric_distribution=False,
             classification_head=cfg.model.add_binary_head,
         )
+    check_index_cache(config.path_to_cache)
     return BlendedMegatronDatasetBuilder(dataset_cls, sizes, lambda: True, config).build()
+
+
+def check_index_cache(directory: str) -> None:
+    """Refuse, in one line, a ``*.npy`` in Megatron-Core's cache of sample indices that is not a plain
+    array: Megatron loads them with ``numpy.load(allow_pickle=True)``, which unpickles any other file.
+    (The datasets themselves, ``.bin`` and ``.idx``, are raw arrays: no pickle.)"""
+    if not os.path.isdir(directory):
+        return
+    for name in sorted(n for n in os.listdir(directory) if n.endswith(".npy")):
+        path = os.path.join(directory, name)
+        try:  # the header alone, parsed as a literal
+            with open(path, "rb") as f:
+                version = numpy.lib.format.read_magic(f)
+                header = {(1, 0): numpy.lib.format.read_array_header_1_0,
+                          (2, 0): numpy.lib.format.read_array_header_2_0}.get(version)
+                problem = f".npy version {version}" if header is None else None
+                if header is not None and header(f)[2].hasobject:
+                    problem = "an array of Python objects"
+        except (OSError, ValueError) as e:
+            problem = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if problem:
+            raise ValueError(f"refused to read {path}: Megatron-Core's cached sample index is not a plain .npy array "
+                             f"({problem}) and would be unpickled; delete it (Megatron builds it again)")
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The benchmark's kept runs: the code version a run is made by (:func:`source_version`) and the
 commit it was made from (:func:`source_commit`), the small record of a finished run that is kept
 (:func:`run_result`, written by :func:`write_json`), whether a kept run can be reused
-(:func:`reusable`), and the run files of one code version (:func:`kept_runs`).
+(:func:`reusable`), the run files of one code version (:func:`kept_runs`), and the one sample
+order every run of a table reads a prefix of (:func:`table_order`).
 """
 
 import json
@@ -48,6 +49,35 @@ def kept_runs(runs_dir: str, version: str) -> tuple[list[dict], list[str]]:
         with open(path) as f:
             runs.append(json.load(f))
     return [r for r in runs if r["version"] == version], sorted({r["version"] for r in runs} - {version})
+
+
+def table_order(configs: dict[str, dict], kept: list[dict], given: "int | None", *, where: str) -> int:
+    """``data.order_samples`` of every run of a table, so that training from scratch and every method
+    at every budget fraction read prefixes of one sample order: ``given`` (``--order-samples``), else
+    the kept runs' (``kept``: the table's runs of this code version, in ``where``), else the training
+    samples of the longest run at the full budget (``configs``: each method's uncompressed config).
+    A ``ValueError`` where that is fewer samples than the longest run reads, or where the kept runs
+    read another order (the table would mix two)."""
+    from megatron_multilevel.config import load_config
+
+    longest = 0
+    for config in configs.values():
+        cfg = load_config(config)
+        assert "train_batch_size" in cfg.deepspeed, "the benchmark's configs set the global batch"
+        ml = cfg.multilevel  # a run's steps: its phases' (training.schedule.build_phases makes one of each spec)
+        steps = sum(spec.steps for spec in ml.phase_specs()) if ml.enabled else cfg.training.train_steps
+        longest = max(longest, steps * int(cfg.deepspeed["train_batch_size"]))
+    orders = sorted({r["config"].get("data", {}).get("order_samples") for r in kept}, key=str)
+    order = given if given is not None else orders[0] if len(orders) == 1 else longest
+    if order is None or order < longest:
+        source = "--order-samples" if given is not None else f"the kept runs in {where}"
+        raise ValueError(f"{source}: an order of {order} samples is fewer than the {longest} training samples of "
+                         f"the longest run; give --order-samples {longest} or more (a new table: another --results)")
+    if orders and orders != [order]:
+        raise ValueError(f"the kept runs in {where} read an order of {' and '.join(map(str, orders))} samples, this "
+                         f"call's of {order}: a table reads one order; give --order-samples as they do, or another "
+                         f"--results for a new table")
+    return order
 
 
 def source_commit(root: str) -> str:

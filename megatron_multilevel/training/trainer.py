@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_multilevel.config import RunConfig, config_to_dict, load_config
-from megatron_multilevel.data.datasets import build_data
+from megatron_multilevel.data.datasets import build_data, ordered_samples
 from megatron_multilevel.data.tokenizer import keep_tokenizer
 from megatron_multilevel.flops import flops_per_token
 from megatron_multilevel.level_maps import LevelMap, run_level_maps
@@ -52,6 +52,7 @@ class Trainer:
         self.phases = build_phases(cfg)
         self.levels = LevelEngines(cfg, dist.get_world_size())
         self.ctx = RunContext(cfg, self.phases, self.levels)
+        ordered_samples(cfg, self.ctx.total_steps * self.levels.global_batch)  # data.order_samples, before any compute
         self.rank = dist.get_rank()
         self.engine = None
         self.saved_tag: "str | None" = None
@@ -229,9 +230,10 @@ class Trainer:
         level_cfg = self.levels.models[phase.level]
         step_flops = flops_per_token(level_cfg, self.ctx.seq) * self.ctx.tokens_per_step
         window, window_start, timed = state.log_window, time.perf_counter(), 0
+        mask = {}  # the phase hook's value (MSG's mask) the last step trained with, in its train record
         while state.step < phase.steps:
             if hook is not None:
-                hook.at(state.step)
+                mask = {"mask": hook.at(state.step)}
             lr = self.engine.get_lr()[0]  # the rate this step applies, as the optimizer holds it
             t0 = time.perf_counter()
             loss = self._train_step(phase.level, state.global_step)
@@ -254,7 +256,7 @@ class Trainer:
                 self.ctx.metrics.record(
                     "train", level=phase.level, phase=phase.index, step=state.step, global_step=state.global_step,
                     loss=sum(window) / len(window), lr=lr, tokens=c["tokens"], flops=c["flops"],
-                    seconds=c["train_seconds"] + c["transition_seconds"], tokens_per_s=tps,
+                    seconds=c["train_seconds"] + c["transition_seconds"], tokens_per_s=tps, **mask,
                 )
                 self.ctx.metrics.progress(
                     level=phase.level, phase=phase.index, num_phases=len(self.phases), step=state.step,
@@ -407,6 +409,11 @@ class Trainer:
             )
         self.ctx.metrics.close()
         return summary
+
+
+def run_samples(cfg: RunConfig, world_size: int) -> int:
+    """The training samples the run ``cfg`` reads on ``world_size`` ranks: its steps times its global batch."""
+    return sum(p.steps for p in build_phases(cfg)) * LevelEngines(cfg, world_size).global_batch
 
 
 def _layout_note(tp: int, sequence_parallel: bool, pp: int = 1, micro_batches: int = 1) -> str:
