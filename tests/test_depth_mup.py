@@ -279,3 +279,29 @@ def test_msg_under_depth_mup_keeps_the_small_models_loss_and_ramps_its_mask(corp
     assert valid[(1, 0)] == pytest.approx(valid[(0, 5)], rel=1e-6)
     masks = [r.get("mask") for r in records(tmp_path / "run", "train") if r["phase"] == 1]
     assert masks == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0], masks
+
+
+def test_a_megatron_export_of_a_depth_mup_run_reads_back_under_its_own_config(mup_run, tmp_path):
+    """``to-megatron`` folds the multiplier (1/2 at 4 layers) into the output projections, a plain
+    model of the same function; ``from-megatron`` with the run's own depth-muP config unfolds it
+    again (the run's weights), with a plain config it keeps the folded ones."""
+    from launch_helpers import convert
+
+    from megatron_multilevel.checkpoints.convert import load_source
+
+    src = mup_run["dir"] / "checkpoints" / "final"
+    if not src.exists():
+        src = mup_run["dir"] / "checkpoints" / "phase02-step0000006"
+    run = load_source(str(src)).tensors
+    ok(convert("to-megatron", src, tmp_path / "megatron"))
+    config = json.loads((mup_run["dir"] / "config.json").read_text())
+    plain = {**config, "model": {k: v for k, v in config["model"].items() if not k.startswith("depth_mup")}}
+    for name, cfg in (("mup", config), ("plain", plain)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
+        ok(convert("from-megatron", tmp_path / "megatron", tmp_path / name, "--config", tmp_path / f"{name}.json"))
+    back, folded = (load_source(str(tmp_path / name)).tensors for name in ("mup", "plain"))
+    proj = "decoder.layers.3.self_attention.linear_proj.weight"
+    assert torch.allclose(folded[proj].float(), 0.5 * run[proj].float(), atol=1e-6)
+    assert run[proj].abs().max() > 1e-3
+    for name, t in run.items():
+        assert torch.allclose(back[name].float(), t.float(), atol=1e-6), name

@@ -284,3 +284,23 @@ def test_a_growth_inside_the_decay_is_refused_unless_asked_for():
         load_config(config(0.83))
     assert "\n" not in str(e.value)
     assert load_config(config(0.9, growth_in_decay=True)).multilevel.growth_in_decay
+
+
+def test_fresh_layers_are_initialised_for_the_model_the_growth_ends_in(corpus, tmp_path):
+    """1 -> 2 -> 4 layers through a level that trains no step, fresh layers with their residual
+    outputs drawn: the layer added at the 2-layer step has its output projections' spread
+    ``0.02 / sqrt(2 * 4)`` (Megatron-Core's for the 4 layers the growth ends in), not the
+    intermediate depth's ``0.02 / sqrt(2 * 2)``; its other weights ``0.02``."""
+    import math
+
+    random = {**LATE, "depth_scaling": "none"}
+    ok(launch(run_config(tmp_path, corpus, "run", multilevel=random, training=KEEP_ALL)))
+    from megatron_multilevel.config import ModelConfig
+
+    two = ModelConfig(kind="gpt", num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512,
+                      max_sequence_length=32)
+    # the 2-layer level (no step of its own): layer 0 trained, layer 1 fresh, initialised for 4 layers
+    fresh = _layer(two, _checkpoint(tmp_path / "run", "phase01-step0000000")["module"], 1)
+    for name in ("mlp.linear_fc2.weight", "self_attention.linear_proj.weight"):
+        assert fresh[name].std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.05), name
+    assert fresh["mlp.linear_fc1.weight"].std().item() == pytest.approx(0.02, rel=0.05)

@@ -21,6 +21,7 @@ general path: its groupings are local to the shards both levels share
 tensors (or full rows).
 """
 
+import dataclasses
 import zlib
 from typing import Callable, Optional, Sequence
 
@@ -159,6 +160,7 @@ def prolong(
     grown: str = "copy",
     grown_moments: str = "copy",
     keep_branches: bool = False,
+    fresh_depth: Optional[int] = None,
 ) -> Staged:
     """Build the fine level again: de-coalesce the coarse model and interpolate with ``before``.
 
@@ -178,6 +180,9 @@ def prolong(
     (``grown_moments`` "copy") or zero (``"zero"``). ``keep_branches``: the growth masks the
     layers it adds (MSG), so the kept branches are kept as the coarse model computed them
     (``operators.keeps_branches``: rescaled under depth-muP, their optimizer state with them).
+    ``fresh_depth``: the depth whose initialisation fresh layers take (their residual outputs'
+    spread; default the grown level's): a growth through levels that train no step initialises
+    every fresh layer for the model it ends in.
     """
     check_alpha(alpha)
     check_layouts(level_map.fine, level_map.coarse, fine_layout, coarse_layout)
@@ -205,7 +210,7 @@ def prolong(
     writer = ModelWriter(fine_model, level_map.fine, Groups.current(), local=fast)
     _prolong_stream(reader, before and before.params, writer, op_map, alpha, perturbation_std=perturbation_std,
                     seed=seed, correction=correction, width_growth=width_growth, grown=grown,
-                    keep_branches=keep_branches)
+                    keep_branches=keep_branches, fresh_depth=fresh_depth)
     staged = Staged(fine_model, level_map.fine, fast, step=step)
     for key, moment_reader in moment_readers.items():
         staged.moments[key] = Snapshot(snapshot_group(fast))
@@ -269,7 +274,7 @@ def _seeded_noise(writer: ModelWriter, seed: int, key: str, prefix: str):
 def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, alpha: float, *,
                     perturbation_std: float = 0.0, seed: int = 0, correction: bool = False,
                     width_growth: str = "fpi", grown: str = "copy", degree: int = 1,
-                    keep_branches: bool = False) -> None:
+                    keep_branches: bool = False, fresh_depth: Optional[int] = None) -> None:
     """De-coalesce and interpolate (or correct) parameter by parameter (slab by slab of
     vocabulary rows). The correction's starting coarse model is coalesced again from ``before``,
     one depth group at a time, as ``_coarsen_stream`` made it. AKI reads each parameter of the
@@ -301,7 +306,7 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
                                                keep_branches=keep_branches)
                 if not before:  # growing (alpha 1); new tensors per fine layer: the writer adopts them
                     values = decoalesced if member == 0 else _grown_layer(decoalesced, grown, writer, level_map,
-                                                                          seed, j)
+                                                                          seed, j, fresh_depth)
                 elif start is not None:
                     values = correct(before[i], decoalesced, decoalesce_layer(start, level_map, member, degree=degree),
                                      alpha)
@@ -311,12 +316,15 @@ def _prolong_stream(coarse_reader, before_reader, writer, level_map: LevelMap, a
             del coarse, upper, before, start
 
 
-def _grown_layer(copied: dict, grown: str, writer: ModelWriter, level_map: LevelMap, seed: int, layer: int) -> dict:
+def _grown_layer(copied: dict, grown: str, writer: ModelWriter, level_map: LevelMap, seed: int, layer: int,
+                 fresh_depth: Optional[int] = None) -> dict:
     """The values of fine layer ``layer``, which growth adds: ``copied`` (de-coalesced), a fresh
-    layer (noise drawn for each full tensor, seeded by ``seed``, the layer and the name) or zeros."""
+    layer (noise drawn for each full tensor, seeded by ``seed``, the layer and the name; initialised
+    for a model of ``fresh_depth`` layers, default the grown level's) or zeros."""
     if grown == "copy":
         return copied
     if grown == "zero":
         return {name: torch.zeros_like(t) for name, t in copied.items()}
     noise = _seeded_noise(writer, seed, f"fresh/layer{layer}", layer_prefix(writer.cfg, layer))
-    return fresh_layer(copied, level_map.fine, noise, zero_residual=level_map.depth_scaling == "identity")
+    cfg = level_map.fine if fresh_depth is None else dataclasses.replace(level_map.fine, num_layers=fresh_depth)
+    return fresh_layer(copied, cfg, noise, zero_residual=level_map.depth_scaling == "identity")

@@ -94,6 +94,7 @@ class CoalesceCycle:
                 grown="fresh" if before is None and ml.growth_operator == "random" else "copy",
                 grown_moments="zero" if before is None and ml.grown_moments == "zero" else "copy",
                 keep_branches=before is None and ml.growth_mask_steps > 0,
+                fresh_depth=self._trained_depth(nxt),
             )
             ctx.state.open_levels.pop(nxt.level, None)
             grown = "de-coalesced, grown" + (" by AKI" if ml.width_growth == "aki" else "")
@@ -111,6 +112,12 @@ class CoalesceCycle:
         engine = ctx.engine(staged.model, nxt)
         load_moments(engine, staged)
         return Transition(engine, what, extra_flops=extra)
+
+    def _trained_depth(self, nxt: Phase) -> int:
+        """The depth of the first model from ``nxt`` on that trains: a growth through levels that
+        train no step (the late expansion) initialises its fresh layers for the model it ends in."""
+        trained = next((p for p in self.ctx.phases[nxt.index:] if p.steps), nxt)
+        return self.ctx.levels.models[trained.level].num_layers
 
     def _learn_growth(self, model, nxt: Phase) -> tuple[float, str]:
         """LiGO's depth operator trained on the grown ``model`` (``growth/ligo.py``) on the batches
