@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Multi-level (V-cycle) pretraining with Megatron-Core and DeepSpeed.
+# Multilevel pretraining (V-, W- and F-cycles, growth) with Megatron-Core and DeepSpeed.
 #
 #   launch/pretrain_vcycle.sh [CONFIG.json] [dotted.key=value ...] [launcher options]
 #
-# With no CONFIG, runs the embedded default: a small GPT V-cycle on the Python standard library's
-# sources and its baseline, which finish in a few minutes on a 2-core CPU. Overrides change the config, e.g.
-#   launch/pretrain_vcycle.sh configs/gpt_tiny_cpu.json training.output_dir=runs/try multilevel.alpha=0.25
+# With no CONFIG, runs the embedded default, configs/gpt_tiny_cpu.json: a small GPT F-cycle (the recipe) on
+# the Python standard library's sources, then its baseline and its control: three runs, about five minutes
+# on a 2-core CPU. Overrides change the config; training.steps_scale=0.1 runs a tenth of every phase, e.g.
+#   launch/pretrain_vcycle.sh configs/gpt_tiny_cpu.json training.steps_scale=0.1 training.output_dir=runs/try
 #
 # --with-baseline also trains the fine model from scratch with the run's training FLOPs (in <run>/baseline,
-# reused when finished) and reports the saving at equal quality; on by default for the embedded default
-# config only; --no-baseline turns it off (--no-control keeps the baseline, skips the control run).
+# reused when finished) and its control, the coarse model alone (<run>/control), and reports the saving at
+# equal quality; on by default for configs/gpt_tiny_cpu.json only; --no-baseline skips both, --no-control the control.
 # --allow-config-change resumes a run although its config changes what its checkpoint's said (rates,
 # seed, data...), recorded in <run>/config_changes.jsonl; without it such a resume is refused.
 #
@@ -64,7 +65,7 @@ while [[ $# -gt 0 ]]; do
     --wandb-project=*) overrides+=("wandb.enabled=true" "wandb.project=${1#*=}"); shift ;;
     --wandb-group) overrides+=("wandb.group=$2"); shift 2 ;;
     --wandb-group=*) overrides+=("wandb.group=${1#*=}"); shift ;;
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
     -*) echo "pretrain_vcycle.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *.json)
       if [[ -n "$config" ]]; then echo "pretrain_vcycle.sh: two configs given: $config and $1" >&2; exit 2; fi

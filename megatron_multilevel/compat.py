@@ -24,6 +24,8 @@ concerns nothing a CPU run does; ``quiet_library_notices`` drops it as well.
 import json
 import logging
 import os
+import re
+import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Any
@@ -46,6 +48,27 @@ KNOWN_NOTICES = {
 }
 
 
+# Library warnings that tell a user of this project nothing it can act on: (the start of the message,
+# its category, each module that warns it). Only these are dropped, in this process and, through
+# PYTHONWARNINGS, in the processes it starts (a tool's ranks import Megatron-Core before any code of
+# theirs runs); every other warning of these modules passes.
+KNOWN_WARNINGS = (
+    # Megatron-Core, on import without Transformer Engine or Apex (every CPU machine): it falls back
+    # to torch's implementations, which are the ones this project uses.
+    ("Transformer Engine and Apex are not installed", UserWarning, (
+        "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision", "megatron.core.optimizer",
+        "megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads")),
+    # torch 2.13 on every all_gather_into_tensor, which parallel/snapshot.py gathers a pipeline's stages with
+    ("`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning, ("torch.distributed.c10d_logger",)),
+)
+
+
+def _python_warnings() -> list[str]:
+    """``KNOWN_WARNINGS`` as ``PYTHONWARNINGS`` entries (``ignore:message:category:module``)."""
+    return [f"ignore:{start}:{category.__name__}:{module}"
+            for start, category, modules in KNOWN_WARNINGS for module in modules]
+
+
 class _DropNotice(logging.Filter):
     """Drops the records of one logger whose message starts with ``start``."""
 
@@ -58,7 +81,8 @@ class _DropNotice(logging.Filter):
 
 
 def quiet_library_notices() -> None:
-    """Drop the ``KNOWN_NOTICES`` records, in this process, from now on (idempotent).
+    """Drop the ``KNOWN_NOTICES`` records, in this process, from now on, and the ``KNOWN_WARNINGS``
+    here and in the processes it starts (idempotent).
 
     Call it before Megatron-Core or DeepSpeed is imported: torch's extension builder logs its notice
     once, when either first imports it. The filters sit on the loggers themselves, which exist
@@ -73,6 +97,12 @@ def quiet_library_notices() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNotice) and f.start == start for f in logger.filters):
             logger.addFilter(_DropNotice(start))
+    for start, category, modules in KNOWN_WARNINGS:
+        for module in modules:
+            warnings.filterwarnings("ignore", message=re.escape(start), category=category,
+                                    module=re.escape(module) + r"\Z")
+    given = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w]
+    os.environ["PYTHONWARNINGS"] = ",".join(given + [w for w in _python_warnings() if w not in given])
 
 
 def sequence_parallel_supported(kind: str) -> bool:

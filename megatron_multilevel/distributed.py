@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_multilevel.cpu_shims import apply_cpu_shims
+from megatron_multilevel.extensions import first_build_notice, use_extensions_dir
 
 
 def default_backend() -> str:
@@ -78,6 +79,7 @@ def init_deepspeed_comm() -> None:
     """
     import deepspeed
 
+    use_extensions_dir()  # the launcher's folder of DeepSpeed's compiled ops, in a tool's process too
     cpu = not torch.cuda.is_available()
     if not cpu:
         deepspeed.init_distributed(dist_backend=default_backend())
@@ -158,6 +160,9 @@ def init_single_process() -> None:
     """A one-rank process group for a tool's own process, unless one exists (file rendezvous: no
     port that another run could hold)."""
     if not dist.is_initialized():
+        notice = first_build_notice()  # the launcher says it for a run; a tool, here
+        if notice:
+            print(notice, flush=True)
         init_distributed(1, init_method=f"file://{tempfile.mktemp(prefix='rdv-')}", rank=0, world_size=1)
 
 

@@ -153,6 +153,7 @@ def main(argv=None) -> int:
     from megatron_multilevel.data.datasets import ordered_samples
     from megatron_multilevel.distributed import init_distributed, shutdown_distributed
     from megatron_multilevel.flops import check_fits
+    from megatron_multilevel.launching.node import mark_error_said
     from megatron_multilevel.study.baseline import report_baseline
     from megatron_multilevel.training.checkpoint import CheckpointError
     from megatron_multilevel.training.run_lock import hold_run_directory
@@ -188,6 +189,7 @@ def main(argv=None) -> int:
         return STOPPED_STATUS
     except (ValueError, TrainingError, CheckpointError, TransitionJump) as e:
         print(f"error: {e}", file=sys.stderr)
+        mark_error_said()  # said: the node launch drops DeepSpeed's line on the status
         shutdown_distributed()
         return 1
     finally:

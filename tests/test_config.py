@@ -60,7 +60,7 @@ ACCEPTED = {
     ],
     TrainingConfig: [
         "eval_batches", "eval_interval", "keep_checkpoints", "log_interval", "lr", "output_dir",
-        "save_interval", "seed", "stop_grace_seconds", "train_steps", "transition_check",
+        "save_interval", "seed", "steps_scale", "stop_grace_seconds", "train_steps", "transition_check",
         "transition_check_steps", "transition_check_tolerance",
     ],
     ParallelConfig: ["num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
@@ -199,7 +199,7 @@ def test_mapped_optimizer_state_of_each_optimizer():
     assert levels({"type": "SGD", "params": {"momentum": 0.9}}).optimizer_state_keys() == ("momentum_buffer",)
     assert levels({"type": "SGD", "params": {"lr": 0.1}}).optimizer_state_keys() == ()
     with pytest.raises(ValueError, match=r"^multilevel.optimizer_state = 'map' carries Adam's moments or SGD's "
-                                         r"momentum; optimizer.type is 'Lamb', valid choices are \['Adam', 'AdamW', 'SGD'\]$"):
+                                         r"momentum; optimizer.type is 'Lamb', valid choices are \['Adam', 'AdamW', 'Muon', 'SGD'\]$"):
         levels({"type": "Lamb"})
     with pytest.raises(ValueError, match=r"optimizer.type is 'Lamb' at level 1 \(multilevel.levels\[1\].deepspeed\)"):
         levels({"type": "AdamW"}, coarse={"type": "Lamb"})

@@ -38,6 +38,8 @@ def test_a_resume_with_another_seed_is_refused_unless_allowed_and_then_recorded(
         f"error: the checkpoint phase00-step0000003 in {tmp_path / 'run'} was written by another config "
         f"(training.seed 5 -> 6): run its config, use another training.output_dir, or pass --allow-config-change to "
         f"change it from there on (recorded in config_changes.jsonl)"]
+    # the error is the last word: no DeepSpeed "[ERROR] ... exits with return code = 1" line after it
+    assert "exits with return code" not in refused.stdout + refused.stderr, refused.stdout + refused.stderr
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics  # nothing trained, nothing written
     allowed = ok(launch(config, "training.seed=6", "--allow-config-change"))
     assert "config changed from global step 3 on (--allow-config-change): training.seed 5 -> 6" in allowed.stdout

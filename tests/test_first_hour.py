@@ -311,3 +311,50 @@ def test_with_baseline_reports_the_saving_resumes_and_reuses(tmp_path):
     assert f"baseline: {base_dir} holds a run of another config; removing it" in out
     assert json.loads((base_dir / "config.json").read_text())["training"]["eval_batches"] == 1
     assert json.loads((run / "summary.json").read_text())["baseline"]["steps"] == block["steps"]
+
+
+# ---------------------------------------------------------------- a first try
+def test_a_first_try_of_the_default_config_says_what_it_runs_and_nothing_else(tmp_path):
+    """The quick start's config named on the command line, at a fiftieth of its steps: the opening
+    line announces the three runs (and the flags that skip the references), every phase trains at
+    least a step, and no third-party warning or launcher line reaches the console."""
+    from megatron_multilevel.pretrain import parse_args, runs_line
+    from megatron_multilevel.training.baseline import baseline_config, control_config
+
+    run = tmp_path / "run"
+    result = launch(DEFAULT_CONFIG, "training.steps_scale=0.02", f"training.output_dir={run}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if not line.startswith("preparing the embedded corpus")]
+    assert lines[0] == (f"3 runs: the multilevel run in {run}, then its baseline (the fine model (4 x 128) from "
+                        f"scratch on the same training FLOPs) in {run}/baseline and its control (the coarse model "
+                        f"(2 x 128) alone) in {run}/control; --no-baseline skips both, --no-control the control")
+    assert result.stderr == ""
+    assert not any(word in result.stdout for word in ("Warning", "warnings.warn", "[ERROR]", "[INFO]"))
+    summary = json.loads((run / "summary.json").read_text())
+    assert [p["steps"] for p in summary["phases"]] == [4, 1, 2, 1]  # 160, 20, 80, 16 steps x 0.02, rounded up
+    assert (run / "baseline" / "summary.json").is_file() and (run / "control" / "summary.json").is_file()
+    # a run without references says nothing of them; without the control, two runs
+    cfg = load_config(DEFAULT_CONFIG)
+    assert not parse_args(["--config", str(DEFAULT_CONFIG), "--no-baseline"]).with_baseline
+    assert runs_line(cfg, None, None) is None
+    assert runs_line(cfg, baseline_config(cfg), None).startswith("2 runs: the multilevel run in ")
+    assert runs_line(cfg, baseline_config(cfg), control_config(cfg, baseline_config(cfg))).startswith("3 runs: ")
+
+
+def test_the_launchers_help_and_the_docs_say_what_runs_and_where_it_lands():
+    """--help names the default for what it is (an F-cycle with its baseline and control) and the
+    first-try key; docs/checkpoints.md's examples write to out/, which git ignores; the quick start
+    shows the short run."""
+    help_text = subprocess.run(["bash", str(ROOT / "launch" / "pretrain_vcycle.sh"), "--help"], capture_output=True,
+                               text=True, timeout=60).stdout
+    assert "a small GPT F-cycle (the recipe)" in help_text and "then its baseline and its control: three runs" in help_text
+    assert "--no-baseline skips both, --no-control the control" in help_text and "V-cycle on" not in help_text
+    assert help_text.rstrip().endswith("--master_addr node0 --master_port 29500")  # the whole header, no code
+    checkpoints = (ROOT / "docs" / "checkpoints.md").read_text()
+    assert "out/full" in checkpoints and "builds no pipeline stages" not in checkpoints
+    if shutil.which("git") and (ROOT / ".git").exists():
+        ignored = subprocess.run(["git", "check-ignore", "-q", "out/full/model.pt"], cwd=ROOT, timeout=60)
+        assert ignored.returncode == 0, "out/ is not ignored"
+    readme = (ROOT / "README.md").read_text()
+    assert 'make run ARGS="training.steps_scale=0.1 --no-baseline"' in readme
+    assert "training.steps_scale=0.1" in (ROOT / "docs" / "cycles.md").read_text()

@@ -142,7 +142,8 @@ def test_a_run_grows_with_ligo_and_resumes_after_it(ligo_run, corpus, tmp_path):
     losses."""
     assert "LiGO's depth operator trained 3 steps (loss" in ligo_run["stdout"], ligo_run["stdout"][-3000:]
     summary = json.loads((ligo_run["dir"] / "summary.json").read_text())
-    copy = run_config(tmp_path, corpus, "copy", multilevel={**LIGO, "growth_operator": "copy"}, training=KEEP_ALL)
+    plain = {k: v for k, v in LIGO.items() if not k.startswith("ligo_")}  # LiGO's own keys: refused without it
+    copy = run_config(tmp_path, corpus, "copy", multilevel={**plain, "growth_operator": "copy"}, training=KEEP_ALL)
     ok(launch(copy))
     copied = json.loads((tmp_path / "copy" / "summary.json").read_text())
     # phases: coarse 6 steps, grown 4, coarse 6, fine 8

@@ -121,8 +121,8 @@ def test_the_tool_plans_a_config_and_writes_its_schedule(tmp_path, capsys):
     tool = load_tool("plan_schedule")
     share = {**SCHEDULE, "coarse_share": 0.65}
     # the tiny config's 0.31 tokens per parameter lie nearest p2
-    _study(tmp_path, [_row("p1", 1e5, 0.03, 0.4), _row("p2", 1e5, 0.3, 0.3, share), _row("p3", 1e5, 10.0, 0.2),
-                      _row("p4", 1e5, 100.0, 0.1)])
+    _study(tmp_path, [_row("p1", 1e6, 0.03, 0.4), _row("p2", 1e6, 0.3, 0.3, share), _row("p3", 1e6, 10.0, 0.2),
+                      _row("p4", 1e6, 100.0, 0.1)])
     out = tmp_path / "planned.json"
     config = ROOT / "configs" / "gpt_tiny_cpu.json"
     assert tool.main(["--config", str(config), "--benchmarks", str(tmp_path), "--write", str(out)]) == 0
@@ -144,8 +144,8 @@ def test_the_tool_plans_a_config_and_writes_its_schedule(tmp_path, capsys):
     assert (first.lr.peak, first.lr.warmup_steps) == (1e-3, 8)  # the run's start, as shipped
     assert planned.training == cfg.training and planned.model == cfg.model
     # where the law advises scratch, --write still gives the schedule to train multilevel with, and says so
-    _study(tmp_path, [_row("q1", 1e5, 0.03, -0.01), _row("q2", 1e5, 0.3, 0.0, share), _row("q3", 1e5, 10.0, 0.01),
-                      _row("q4", 1e5, 100.0, -0.02)])
+    _study(tmp_path, [_row("q1", 1e6, 0.03, -0.01), _row("q2", 1e6, 0.3, 0.0, share), _row("q3", 1e6, 10.0, 0.01),
+                      _row("q4", 1e6, 100.0, -0.02)])
     out.unlink()
     assert tool.main(["--config", str(config), "--benchmarks", str(tmp_path), "--write", str(out)]) == 0
     said = capsys.readouterr().out
@@ -190,8 +190,8 @@ def test_a_growth_that_saved_more_than_the_cycles_is_the_advice(tmp_path, capsys
     controlled = points + [ahead, point("ctl", 1e6, 20.0, None, suffices=True)]
     assert plan(controlled, 1e6, 5e6)["advice"] == "smaller model"  # the control decides first
     tool = _plan_tool()
-    _study(tmp_path, [_row("p1", 1e5, 0.03, 0.4), _row("p2", 1e5, 0.3, 0.3, stacking=0.35), _row("p3", 1e5, 10.0, 0.2),
-                      _row("p4", 1e5, 100.0, 0.1)])
+    _study(tmp_path, [_row("p1", 1e6, 0.03, 0.4), _row("p2", 1e6, 0.3, 0.3, stacking=0.35), _row("p3", 1e6, 10.0, 0.2),
+                      _row("p4", 1e6, 100.0, 0.1)])
     out = tmp_path / "planned.json"
     config = ROOT / "configs" / "gpt_tiny_cpu.json"
     assert tool.main(["--config", str(config), "--benchmarks", str(tmp_path), "--write", str(out)]) == 0
@@ -203,8 +203,8 @@ def test_a_growth_that_saved_more_than_the_cycles_is_the_advice(tmp_path, capsys
     assert grown.multilevel.levels[1].steps_before in (round(0.5 * 199), 100)  # half of S at half depth
     assert "written: " in said and "the advice above" not in said
     # a growth that is not a published form (stacking with the levers) is named, not written
-    _study(tmp_path, [_row("p1", 1e5, 0.03, 0.4), _row("p2", 1e5, 0.3, 0.3), _row("p3", 1e5, 10.0, 0.2),
-                      _row("p4", 1e5, 100.0, 0.1)])
+    _study(tmp_path, [_row("p1", 1e6, 0.03, 0.4), _row("p2", 1e6, 0.3, 0.3), _row("p3", 1e6, 10.0, 0.2),
+                      _row("p4", 1e6, 100.0, 0.1)])
     rows = json.loads((tmp_path / "regime.json").read_text())
     rows["points"][1]["methods"]["stacking-map-continue"] = {"family": "stacking", "equal_quality": {"median": 0.35},
                                                             "final_valid_loss": 1.98}
@@ -380,3 +380,37 @@ def test_a_growth_is_advised_only_where_it_held_at_the_models_depth_on_every_cor
     assert read["docs-16x32-100"].corpus == "Python 3.11's documentation"
     assert read["docs-16x32-100"].growth_run["above_scratch"] == pytest.approx(0.01)
     assert read["p1"].corpus is None
+
+
+def test_no_advice_beyond_the_measured_sizes():
+    """A control that found the half-depth model sufficient at 20 tokens per parameter on a 237k
+    model says nothing of a 1.3B one: beyond twice the largest measured size (or half the smallest)
+    the planner advises nothing, says what was measured and what published laws say, and returns
+    what its points' rule would have said as extrapolated."""
+    points = [point("a", 1e5, 0.1, 0.40), point("b", 1e6, 1.0, 0.30), point("c", 1e5, 10.0, 0.20),
+              point("d", 1e6, 100.0, 0.10), point("ctl", 2.4e5, 20.3, None, suffices=True)]
+    points = [dataclasses.replace(p, seeds=s) for p, s in zip(points, (1, 2, 3, 2, 1))]
+    far = plan(points, 1.3e9, 26e9)
+    assert (far["advice"], far["candidate"], far["within_measured_sizes"]) == (None, None, False)
+    assert far["extrapolated_advice"] == "smaller model"  # the 237k control's verdict, not the advice
+    assert far["measured"] == {"points": 5, "parameters": [1e5, 1e6], "tokens_per_parameter": [0.1, 100.0],
+                               "seeds": [1, 3], "size_margin": 2.0}
+    assert far["published"]["regime"] == "near compute-optimal"
+    assert plan(points, 1e6, 1e6)["advice"] == "smaller model"  # at a measured size the control decides
+    # the margin: up to twice the largest, down to half the smallest
+    assert plan(points, 2e6, 2e6)["advice"] == "smaller model" and plan(points, 2.1e6, 2.1e6)["advice"] is None
+    assert plan(points, 5e4, 5e4)["advice"] == "smaller model" and plan(points, 4.9e4, 4.9e4)["advice"] is None
+
+
+@pytest.mark.parametrize("tpp, regime", [(20, "near compute-optimal"), (10, "near compute-optimal"),
+                                         (40, "near compute-optimal"), (2, "larger than compute-optimal"),
+                                         (9.9, "larger than compute-optimal"), (200, "past compute-optimal")])
+def test_the_published_regime_is_chinchillas(tpp, regime):
+    from megatron_multilevel.study.planner import published_regime
+
+    said = published_regime(1.3e9, 1.3e9 * tpp)
+    assert said["regime"] == regime
+    # the same training FLOPs (6 N D) on a model trained at 20 tokens per parameter
+    optimal = said["compute_optimal_parameters"]
+    assert 6 * optimal * said["compute_optimal_tokens"] == pytest.approx(6 * 1.3e9 * 1.3e9 * tpp)
+    assert said["compute_optimal_tokens"] == pytest.approx(20 * optimal)

@@ -3,6 +3,7 @@ says what it rests on and how far beyond its study points the model asked about 
 
 import json
 import math
+import re
 
 import pytest
 
@@ -80,3 +81,37 @@ def test_the_tool_takes_suffixed_counts(tmp_path, capsys):
     assert (result["parameters"], result["tokens"]) == (350e6, 7e9)
     assert result["beyond"]["parameters"] == pytest.approx(50.0)
     assert math.isclose(result["tokens_per_parameter"], 20.0)
+
+
+def _lines(capsys, *argv) -> list[str]:
+    assert _tool().main(list(argv)) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize("params, tokens, law", [
+    ("1.3B", "26B", "at 20 tokens per parameter the full model is near compute-optimal (Hoffmann et al. 2022: "
+                    "about 20 tokens per parameter): train it from scratch; nothing measured here at this size"),
+    ("124M", "2.5B", "at 20.2 tokens per parameter the full model is near compute-optimal"),
+    ("1.3B", "2.6B", "at 2 tokens per parameter the model is larger than compute-optimal for its compute: Hoffmann "
+                     "et al. (2022) put the compute-optimal model for the same FLOPs at about 411M parameters on "
+                     "8.22B tokens"),
+])
+def test_beyond_the_measured_sizes_it_says_what_was_measured_and_what_published_laws_say(capsys, params, tokens, law):
+    """The committed study points (models of at most a few million parameters): at a GPT-2 or a 1.3B
+    size no line advises; the measured sizes, budgets and seeds are said, then the published laws;
+    every line that carries the points' verdicts to this size says it is an extrapolation."""
+    lines = _lines(capsys, "--params", params, "--tokens", tokens)
+    assert not any(line.startswith(("advice:", "candidate:")) for line in lines), lines
+    measured = next(line for line in lines if line.startswith("no advice: nothing was measured at this size: "))
+    assert re.search(r"the study's \d+ points are models of [\d.]+k to [\d.]+M parameters at [\d.]+ to [\d.]+ tokens "
+                     r"per parameter, \d+ to \d+ seeds each, and this model is [\d.]+ times the largest", measured)
+    assert any(line.startswith("published scaling laws: ") and law in line for line in lines), lines
+    carried = [line for line in lines if "smaller (half-depth) model" in line or "best schedule" in line
+               or line.startswith(("expected FLOPs saving", "extrapolated"))]
+    assert carried and all(line.startswith("extrapolated, not measured at this size: ") for line in carried), carried
+
+
+def test_inside_the_measured_sizes_it_advises(capsys):
+    lines = _lines(capsys, "--params", "237k", "--tokens", "19M", "--layers", "4")
+    assert any(line.startswith("advice: ") for line in lines) and not any("no advice" in line for line in lines)
+    assert not any(line.startswith("extrapolated") for line in lines)

@@ -84,9 +84,8 @@ def test_visits_arrivals_and_schedules():
 
 
 def test_visits_override_the_rule():
-    levels = _levels(2)
-    levels[0]["visits"] = [{"steps": 5, "lr": {"peak": 0.5}}, {"steps": 0}, {"steps": 7, "lr": {"peak": 0.7}}]
-    levels[1]["visits"] = [{"steps": 3, "lr": {"peak": 0.3}}, {"steps": 4, "lr": {"peak": 0.4}}]
+    levels = [{"visits": [{"steps": 5, "lr": {"peak": 0.5}}, {"steps": 0}, {"steps": 7, "lr": {"peak": 0.7}}]},
+              {"visits": [{"steps": 3, "lr": {"peak": 0.3}}, {"steps": 4, "lr": {"peak": 0.4}}]}]
     phases = build_phases(_config("w", 2, levels))
     assert [(p.level, p.steps, p.lr.peak, p.name) for p in phases] == [
         (0, 5, 0.5, "before"), (1, 3, 0.3, "coarsest"), (0, 0, 1e-3, "before"), (1, 4, 0.4, "coarsest"),
@@ -94,7 +93,11 @@ def test_visits_override_the_rule():
     ]
     # the coarsest level needs no steps_before when its visits are given
     coarsest = {"visits": [{"steps": 3}, {"steps": 4}]}
-    assert [p.steps for p in build_phases(_config("f", 2, [levels[0] | {"visits": None}, coarsest]))] == [3, 1, 4, 2]
+    assert [p.steps for p in build_phases(_config("f", 2, [_levels(2)[0], coarsest]))] == [3, 1, 4, 2]
+    # the rule's keys beside a level's visits would be read by nothing: refused, naming both
+    with pytest.raises(ValueError, match=r"^multilevel.levels\[1\].steps_before is not read: "
+                                         r"multilevel.levels\[1\].visits gives the steps"):
+        _config("f", 2, [_levels(2)[0], {**coarsest, "steps_before": 3}])
 
 
 @pytest.mark.parametrize(

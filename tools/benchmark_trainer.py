@@ -103,7 +103,6 @@ def main(argv=None) -> int:
     from megatron_multilevel.config import load_config
     from megatron_multilevel.parallel.spawn import run_ranks
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
     tp = load_config(args.config).level_tp_sizes()[0]
     with tempfile.TemporaryDirectory() as out:
         try:

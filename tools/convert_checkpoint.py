@@ -110,13 +110,12 @@ STEPS = {
 
 
 def prepare_checks() -> None:
-    """Start the one-process group that the checks build their Megatron model in, saying so first:
-    on CPU, DeepSpeed loads its communication op there, compiling it the first time (a minute or
-    more, silently)."""
+    """Start the one-process group that the checks build their Megatron model in, saying so first
+    (on CPU, DeepSpeed loads its communication op there; ``init_single_process`` says when it
+    compiles it, the first time)."""
     from megatron_multilevel.distributed import init_single_process
 
-    print("preparing the checks: a one-process Megatron environment (on CPU, DeepSpeed compiles its "
-          "communication op the first time: a minute or more)", flush=True)
+    print("preparing the checks: a one-process Megatron environment", flush=True)
     init_single_process()
 
 

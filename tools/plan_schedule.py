@@ -15,7 +15,10 @@ and the regime study (``benchmarks/regime.json``, its later pins' points ``regim
 sufficient at the budget, training from scratch where the saving's interval does not lie above zero
 or where the best candidate's saving is under the bar (``--bar``, 25%), else the multilevel schedule
 of the nearest measured point or the growth that saved more there, with the saving the law expects
-and its uncertainty. Parameters count the embedding.
+and its uncertainty. Beyond the measured sizes (more than twice the largest study model, or half the
+smallest) it advises nothing: it says what was measured and what the published scaling laws say at
+the model's budget, and marks every line it carries over from its points as extrapolated.
+Parameters count the embedding.
 """
 
 import argparse
@@ -92,7 +95,7 @@ def read_points(benchmarks: str) -> list:
                 saving=None if best is None else r["methods"][best]["equal_quality"]["median"],
                 schedule=None if best is None else r["methods"][best].get("schedule"),
                 control_seeds=control_seeds(r), late=best_late(r), growth_run=growth_verdict(r),
-                corpus=CORPORA.get(study),
+                corpus=CORPORA.get(study), seeds=r.get("seeds"),
                 growth=None if growth is None else (growth, r["methods"][growth]["equal_quality"]["median"])))
     if not points:
         raise SystemExit(f"plan_schedule: no study in {benchmarks} ({', '.join(STUDIES.values())}): "
@@ -161,7 +164,8 @@ def planned_config(budget: dict, schedule: dict, growth: "str | None" = None) ->
             settings["fcycle_revisit"] = round(schedule["revisit"], 3)
     made = variant_configs(base, steps=budget["steps"], fine_lr=budget["peak"], warmup=budget["warmup"],
                            methods=[method], **settings)[method]
-    return {**budget["raw"], "multilevel": made["multilevel"]}
+    training = {k: v for k, v in budget["raw"].get("training", {}).items() if k != "train_steps"}  # the levels' now
+    return {**budget["raw"], "training": training, "multilevel": made["multilevel"]}
 
 
 def growth_name(method: str) -> str:
@@ -196,13 +200,49 @@ def growth_said(v: dict) -> str:
             "budget run: its saving at equal quality not measured")
 
 
+PUBLISHED = {
+    "near compute-optimal": "the full model is near compute-optimal (Hoffmann et al. 2022: about 20 tokens per "
+                            "parameter): train it from scratch",
+    "larger than compute-optimal": "the model is larger than compute-optimal for its compute: Hoffmann et al. (2022) "
+                                   "put the compute-optimal model for the same FLOPs at about {n} parameters on {d} "
+                                   "tokens, which reaches a lower loss: a smaller model from scratch, or more tokens",
+    "past compute-optimal": "the model is trained past compute-optimal (Hoffmann et al. 2022 would spend the same "
+                            "FLOPs on about {n} parameters), as models are for cheaper inference (LLaMA, Touvron et "
+                            "al. 2023): train it from scratch",
+}
+EXTRAPOLATED = "extrapolated, not measured at this size: "
+
+
+def beyond_measured(result: dict) -> list[str]:
+    """The lines that replace the advice beyond the measured sizes: what was measured, and what the
+    published scaling laws say at this budget."""
+    m, pub = result["measured"], result["published"]
+    seeds = "" if m["seeds"] is None else (f", {m['seeds'][0]} seed(s) each" if m["seeds"][0] == m["seeds"][1] else
+                                           f", {m['seeds'][0]} to {m['seeds'][1]} seeds each")
+    from megatron_multilevel.study.planner import times_beyond
+
+    fewest, most = m["parameters"]
+    times = times_beyond(result["parameters"], fewest, most)
+    size = (f"{times:.3g} times the largest" if result["parameters"] > most else f"1/{times:.3g} of the smallest")
+    law = PUBLISHED[pub["regime"]].format(n=human(pub["compute_optimal_parameters"]),
+                                          d=human(pub["compute_optimal_tokens"]))
+    return [f"no advice: nothing was measured at this size: the study's {m['points']} points are models of "
+            f"{human(fewest)} to {human(most)} parameters at {m['tokens_per_parameter'][0]:.2g} to "
+            f"{m['tokens_per_parameter'][1]:.3g} tokens per parameter{seeds}, and this model is {size} (the planner "
+            f"advises within {m['size_margin']:g} times the measured sizes)",
+            f"published scaling laws: at {pub['tokens_per_parameter']:.3g} tokens per parameter {law}; nothing "
+            f"measured here at this size"]
+
+
 def describe(result: dict) -> str:
     s = result["schedule"]
     lo, hi = result["tokens_per_parameter_range"]
     fewest, most = result["parameters_range"]
+    measured = result["within_measured_sizes"]
     lines = [f"model: {human(result['parameters'])} parameters (embedding counted), {human(result['tokens'])} "
              f"tokens: {result['tokens_per_parameter']:.1f} tokens per parameter",
-             f"expected FLOPs saving of the best multilevel schedule at equal quality: "
+             *([] if measured else beyond_measured(result)),
+             ("" if measured else EXTRAPOLATED) + f"expected FLOPs saving of the best multilevel schedule at equal quality: "
              f"{100 * result['saving']:.1f}% +- {100 * result['interval']:.1f} (law fitted to "
              f"{result['fit_points']} study points of {human(fewest)} to {human(most)} parameters and {lo:.2f} to "
              f"{hi:.1f} tokens per parameter)"]
@@ -230,9 +270,11 @@ def describe(result: dict) -> str:
     for v in result.get("at_depth") or []:
         lines.append(f"growth at {v['layers']} layers, on {v['corpus'] or 'the standard library source files'}: "
                      f"{v['method']} " + growth_said(v) + f" ({v['point']})")
-    advice = result["advice"]
+    advice = result["advice"] if measured else result["extrapolated_advice"]
     candidate = result.get("candidate")
-    if candidate is not None:
+    if not measured:
+        lines += extrapolated(result)
+    elif candidate is not None:
         lines.append(f"advice: train the full model from scratch: the best candidate ({candidate['advice']}, below) is "
                      f"expected to save {100 * candidate['saving']:.1f}% at equal quality by the weakest measurement "
                      f"behind it, under the {100 * result['bar']:.0f}% this planner asks before it advises a schedule "
@@ -255,7 +297,10 @@ def describe(result: dict) -> str:
     # a growth is measured at the nearest point's shape and budget (its own, or a later pin's)
     grown = human(result["from_point_size"]["parameters"])
     shown = candidate["advice"] if candidate is not None else advice
-    head = "candidate" if candidate is not None else "advice"
+    head = ("candidate" if candidate is not None else "advice" if measured else
+            EXTRAPOLATED + "the nearest measured point's best schedule")
+    if not measured:
+        shown = "growth" if growth is not None else "multilevel"
     if shown == "multilevel":
         lines.append(f"{head}: multilevel: {cycle}")
     elif shown == "growth":
@@ -264,11 +309,26 @@ def describe(result: dict) -> str:
                      f"parameters, more than the best "
                      f"multilevel schedule there ({growth['cycle_method']}, {100 * growth['cycle_saving']:.1f}%); "
                      f"the law above is the cycles'. The multilevel schedule it beat: {cycle}")
-    if growth is not None and advice == "smaller model":
+    if growth is not None and advice == "smaller model" and measured:
         lines.append(f"  (were the full model trained: {growth_name(growth['method'])} saved "
                      f"{100 * growth['saving']:.1f}% at {growth['point']} ({grown} parameters), the best multilevel "
                      f"schedule {100 * growth['cycle_saving']:.1f}%)")
     return "\n".join(lines)
+
+
+def extrapolated(result: dict) -> list[str]:
+    """Beyond the measured sizes: what the points' own rule says, each line marked as carried over
+    from smaller models."""
+    said = result["extrapolated_advice"]
+    if said == "smaller model":
+        seeds = result.get("control_seeds")
+        return [EXTRAPOLATED + f"at {result['control']} ({size_of(result['control_size'])}) the smaller "
+                "(half-depth) model alone reached the best-tuned full model's final loss on the same FLOPs"
+                + ("" if not seeds else f" (in {seeds[0]} of its {seeds[1]} seeds)")]
+    if said == "scratch":
+        return [EXTRAPOLATED + f"by the points' own rule, the full model from scratch (no schedule shown to reach the "
+                               f"{100 * result['bar']:.0f}% bar at this budget)"]
+    return []
 
 
 def main(argv=None) -> int:
@@ -336,16 +396,19 @@ def main(argv=None) -> int:
     print(json.dumps(result, indent=1) if args.json else describe(result))
     if args.write:  # the growth asked for, else the advised one, else the schedule to train multilevel with
         shown = result["candidate"]["advice"] if result["candidate"] else result["advice"]
+        if shown is None:  # beyond the measured sizes: the nearest point's growth, else its schedule
+            shown = "growth" if result["growth"] else "multilevel"
         growth = result["growth"]["method"] if shown == "growth" else None
         growth = args.growth or (growth if growth in GROWTHS else None)
         with open(args.write, "w") as f:
             json.dump(planned_config(budget, result["schedule"], growth), f, indent=2)
             f.write("\n")
         advised = result["advice"] in ("multilevel", "growth")
+        verdict = (f"the advice above is {result['advice']!r}" if result["advice"] else
+                   "no advice at this size, nothing measured there")
         what = (f" ({growth_name(growth)}" if growth else f" (the multilevel schedule of {result['from_point']}") + (
             ")" if advised and (growth or result["advice"] == "multilevel") else
-            f", for a run that {'grows' if growth else 'trains multilevel'} anyway: the advice above is "
-            f"{result['advice']!r})")
+            f", for a run that {'grows' if growth else 'trains multilevel'} anyway: {verdict})")
         print(f"written: {args.write}{what}")
     return 0
 

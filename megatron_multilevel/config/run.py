@@ -45,7 +45,9 @@ from megatron_multilevel.config.parallel import (
     resolve_sequence_parallel,
 )
 from megatron_multilevel.config.parsing import check_finite, one_line_warning, parse_dataclass, read_json, to_dict
+from megatron_multilevel.config.scale import apply_steps_scale
 from megatron_multilevel.config.training import TrainingConfig
+from megatron_multilevel.config.unread import check_unread_keys
 from megatron_multilevel.cycles import arrivals
 
 
@@ -72,6 +74,7 @@ class RunConfig:
                 f"data.seq_length = {self.data.seq_length} exceeds model.max_sequence_length = "
                 f"{self.model.max_sequence_length}"
             )
+        check_unread_keys(self)
         if self.multilevel.enabled and self.multilevel.strategy == "ode":
             self._check_ode()
         if "scheduler" in self.deepspeed:
@@ -418,7 +421,7 @@ def load_config(source: "str | os.PathLike | dict") -> RunConfig:
     if not isinstance(data, dict):
         raise ValueError("config: the top level must be a JSON object")
     check_finite(data)
-    data = _one_peak(data)
+    data = _one_peak(apply_steps_scale(data))
     unknown = sorted(k for k in data if k not in OUR_KEYS and k not in DEEPSPEED_KEYS)
     if unknown:
         raise ValueError(

@@ -63,6 +63,11 @@ class TrainingConfig:
     """Steps of the fine model when ``multilevel.enabled`` is false (training from scratch)."""
     lr: LRConfig = field(default_factory=LRConfig)
     """Schedule when ``multilevel.enabled`` is false."""
+    steps_scale: float = 1.0
+    """Every phase's steps and warm-up (and MSG's mask, LiGO's operator steps, the ODE strategy's
+    coherence batches) times this, in (0, 1], rounded up: a short run of any config, for a first try
+    or a smoke test (``training.steps_scale=0.1``). Applied as the config is read
+    (``config/scale.py``): the config a run records holds the scaled steps, and 1 here."""
     log_interval: int = 10
     """Steps between console lines and metric records."""
     eval_interval: int = 50
@@ -93,6 +98,7 @@ class TrainingConfig:
     in fp32 is orders of magnitude below it; bf16 runs may need about 1e-2."""
 
     def __post_init__(self):
+        check_steps_scale(self.steps_scale)
         for name in ("train_steps", "log_interval", "eval_interval", "eval_batches", "transition_check_steps"):
             check_positive(f"training.{name}", getattr(self, name))
         if not self.stop_grace_seconds >= 0:
@@ -103,3 +109,9 @@ class TrainingConfig:
         if self.save_interval < 0 or self.keep_checkpoints < 1:
             raise ValueError("training.save_interval must be >= 0 and training.keep_checkpoints >= 1")
 
+
+def check_steps_scale(value) -> None:
+    """Raise a ValueError naming ``training.steps_scale`` unless ``value`` is a number in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"training.steps_scale must be a number in (0, 1] (1: the config's own steps; 0.1: a tenth "
+                         f"of them), got {value!r}")

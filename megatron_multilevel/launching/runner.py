@@ -19,6 +19,8 @@ import signal
 import subprocess
 import sys
 
+from megatron_multilevel.extensions import first_build_notice
+
 DEEPSPEED_NODE_LAUNCH = "deepspeed.launcher.launch"
 NODE_LAUNCH = "megatron_multilevel.launching.node"
 
@@ -73,6 +75,9 @@ def main(argv=None) -> None:
     if not any(a.split("=")[0] in ("-H", "--hostfile", "--num_nodes", "--force_multi") for a in argv):
         # one node and no hostfile is what is meant: the runner's warning that it found none is dropped
         logging.getLogger("DeepSpeed").addFilter(lambda r: not r.getMessage().startswith("Unable to find hostfile"))
+    notice = first_build_notice()  # else the first run prints nothing for a minute or two
+    if notice:
+        print(notice, flush=True)
     patch_deepspeed()
     # pdsh across nodes installs its own handlers (it kills the remote commands); one node keeps these
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -21,6 +21,14 @@ the law's saving for a cycle; for a growth, its saving at that point and, given 
 at the nearest measured depth on every corpus measured there. Under the bar, scratch is. The advice says
 what it rests on: the sizes and budgets of the points, and how far beyond them the model asked about
 lies (a law without a size term carries its points' saving to any size unchanged).
+
+Beyond the measured sizes (more than :data:`SIZE_MARGIN` times the largest point's parameters, or
+under the smallest's over it) there is no advice: nothing measured stands behind one, and at the
+scale people pretrain a law fitted to models of a few million parameters may say the opposite of
+the published scaling laws. The planner then says what was measured (sizes, tokens per parameter,
+seeds) and what the published laws say at the model's budget (:func:`published_regime`: Hoffmann
+et al. 2022's compute-optimal 20 tokens per parameter); what it carries over from its points is
+returned as extrapolated (``extrapolated_advice``), never as the advice.
 """
 
 import dataclasses
@@ -33,6 +41,13 @@ import numpy
 # the FLOPs saving at equal quality a method must be expected to reach before it is advised: under
 # it, the moving parts of a schedule (levels, transitions, their tuning) are not worth their risk
 BAR = 0.25
+# how far beyond the measured sizes (a factor on the parameters) the planner still advises: a model
+# up to twice the largest measured one (or half the smallest) is near enough to what was measured
+SIZE_MARGIN = 2.0
+# Hoffmann et al. (2022, "Chinchilla"): compute-optimal training takes about 20 tokens per parameter,
+# and "near" it, within a factor of 2 (the loss's optimum is flat there)
+COMPUTE_OPTIMAL_TPP = 20.0
+NEAR_OPTIMAL = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +72,7 @@ class StudyPoint:
     growth_run: Optional[dict] = None  # what growth did there, saving or not (savings.growth_verdict);
     # None: no growth ran
     corpus: Optional[str] = None  # the text it was trained on; None: the embedded default
+    seeds: Optional[int] = None  # the seeds its runs were trained with; None: not recorded
 
     @property
     def layers(self) -> int:
@@ -182,6 +198,31 @@ def growth_at_depth(points: Sequence[StudyPoint], layers: Optional[int]) -> list
             for p in measured if p.layers == depth]
 
 
+def published_regime(parameters: float, tokens: float) -> dict:
+    """What the published scaling laws say of training a model of ``parameters`` on ``tokens``:
+    ``regime`` ``"near compute-optimal"`` (within :data:`NEAR_OPTIMAL` of Hoffmann et al.'s 20 tokens
+    per parameter), ``"larger than compute-optimal"`` (fewer tokens: a smaller model on more tokens
+    reaches a lower loss with the same FLOPs) or ``"past compute-optimal"`` (more tokens: trained
+    longer, as models are for cheaper inference); and the compute-optimal model for the same training
+    FLOPs (6 N D, and D = 20 N)."""
+    tpp = tokens / parameters
+    optimal = math.sqrt(6 * parameters * tokens / (6 * COMPUTE_OPTIMAL_TPP))
+    regime = ("larger than compute-optimal" if tpp < COMPUTE_OPTIMAL_TPP / NEAR_OPTIMAL else
+              "past compute-optimal" if tpp > COMPUTE_OPTIMAL_TPP * NEAR_OPTIMAL else "near compute-optimal")
+    return {"regime": regime, "tokens_per_parameter": tpp, "compute_optimal_parameters": optimal,
+            "compute_optimal_tokens": COMPUTE_OPTIMAL_TPP * optimal}
+
+
+def measured_ranges(points: Sequence[StudyPoint]) -> dict:
+    """What the study points measured: their number, and the range of their parameters, tokens per
+    parameter and seeds (None where no point records its seeds)."""
+    seeds = [p.seeds for p in points if p.seeds is not None]
+    return {"points": len(points), "parameters": [min(p.parameters for p in points), max(p.parameters for p in points)],
+            "tokens_per_parameter": [min(p.tokens_per_parameter for p in points),
+                                     max(p.tokens_per_parameter for p in points)],
+            "seeds": [min(seeds), max(seeds)] if seeds else None, "size_margin": SIZE_MARGIN}
+
+
 def plan(points: Sequence[StudyPoint], parameters: float, tokens: float, layers: Optional[int] = None,
          bar: float = BAR) -> dict:
     """The advice for a model of ``parameters`` trained on ``tokens``: ``advice`` (``"multilevel"``,
@@ -196,7 +237,12 @@ def plan(points: Sequence[StudyPoint], parameters: float, tokens: float, layers:
     it saved something there. ``bar``: the saving a multilevel schedule or growth must be expected
     to reach to be the advice (the weakest measurement behind it: the law's expected saving, or the
     growth's at the nearest point and, with ``layers``, at the nearest measured depth on every corpus);
-    under it, the advice is scratch and ``candidate`` says what fell short and by how much."""
+    under it, the advice is scratch and ``candidate`` says what fell short and by how much.
+
+    ``measured``: the points' sizes, budgets and seeds (:func:`measured_ranges`); ``published``: what
+    the published laws say at this budget (:func:`published_regime`). Beyond the measured sizes
+    (``within_measured_sizes`` false) ``advice`` and ``candidate`` are None and what the points' rule
+    would have said is ``extrapolated_advice``."""
     if parameters <= 0 or tokens <= 0:
         raise ValueError(f"parameters and tokens must be positive, got {parameters} and {tokens}")
     if not 0 <= bar < 1:
@@ -253,4 +299,10 @@ def plan(points: Sequence[StudyPoint], parameters: float, tokens: float, layers:
         if min(behind) < bar:
             out["candidate"] = {"advice": advice, "saving": min(behind)}
             advice = "scratch"
+    measured = measured_ranges(points)
+    within = times_beyond(parameters, *measured["parameters"]) <= SIZE_MARGIN
+    out.update(measured=measured, published=published_regime(parameters, tokens), within_measured_sizes=within,
+               extrapolated_advice=None if within else advice)
+    if not within:
+        return {**out, "advice": None, "candidate": None}
     return {**out, "advice": advice}

@@ -81,8 +81,8 @@ def _flops_ratios(base: dict, multilevel: dict) -> list[float]:
     levels = [{"steps_before": 1}] * multilevel["num_levels"]
     with warnings.catch_warnings():  # a probe for the levels' shapes: its rates (defaults) are never trained
         warnings.simplefilter("ignore")
-        cfg = load_config({**base, "multilevel": {**multilevel, "enabled": True, "levels": levels, "cycle": "v",
-                                                  "alpha": 0.5}})
+        cfg = load_config({**base, "training": {}, "multilevel": {**multilevel, "enabled": True, "levels": levels,
+                                                                  "cycle": "v", "alpha": 0.5}})
     seq = cfg.data.seq_length
     fine = flops_per_token(cfg.model, seq)
     return [flops_per_token(m, seq) / fine for m in cfg.level_models()]
@@ -188,6 +188,7 @@ def variant_configs(base: dict, *, steps: int, fine_lr: float, coarse_lr_factor:
     def config(multilevel: dict) -> dict:
         out = copy.deepcopy(base)
         out["multilevel"] = multilevel
+        out.get("training", {}).pop("train_steps", None)  # the levels' steps replace it (config/unread.py)
         return out
 
     if budget not in ("flops", "tokens"):
