@@ -41,6 +41,13 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's
 INFO_FILE = "megatron_multilevel.json"  # ours, beside it: the model config and the flags Megatron-LM needs
 # the fp32 master weights of a 16-bit run (Float16Optimizer's, the distributed optimizer's)
 MASTER_KEYS = ("fp32_param", "param")
+# Muon's state is a momentum for the layers' matrices and Adam's moments for the rest; Megatron-Core
+# saves its own Muon as a ChainedOptimizer, each sub-optimizer's state under ``chained_<i>.``, the
+# split into sub-optimizers its own (``get_megatron_muon_optimizer``): nothing here could say which
+# index a Megatron-LM run would give each parameter, so the state is not written
+MUON_NOT_WRITTEN = ("optimizer state not written: Muon's (momentum_buffer for the layers' matrices, exp_avg and "
+                    "exp_avg_sq for the rest) has no place in this format; Megatron-Core keeps its own Muon as a "
+                    "chained optimizer whose split this converter cannot reproduce")
 
 
 @dataclasses.dataclass
@@ -154,6 +161,8 @@ def write(out: str, tensors: dict, cfg: ModelConfig, *, iteration: int = 0, mome
     if moments and cfg.branch_multiplier != 1.0:
         notes.append("optimizer state not written: it belongs to the depth-muP parametrisation, which the "
                      "exported model (its multiplier folded into its weights) does not have")
+    elif moments and {"momentum_buffer", "exp_avg"} <= set(moments):
+        notes.append(MUON_NOT_WRITTEN)
     elif moments:
         params = dict(model.named_parameters())
         optimizer = torch.optim.Adam(list(params.values()))  # a holder of the state, never stepped
@@ -276,6 +285,9 @@ def read(path: str, model: Optional[ModelConfig] = None, *, optimizer: bool = Tr
     keys = [k for k in ("exp_avg", "exp_avg_sq", "momentum_buffer")
             if all(f"optimizer.state.{k}.{sh.key}" in stored for sh in sharded.values())]
     step = None
+    if optimizer and not keys and any(".momentum_buffer." in k for k in stored):
+        notes.append("optimizer state not read: it keeps a momentum for some parameters only (a Muon "
+                     "optimizer's, Megatron-Core's chained one), which this reader does not map")
     if optimizer and keys:
         step = _find_step(common.get("optimizer"))
         if step is None:

@@ -34,6 +34,15 @@ from megatron_multilevel.config.multilevel import (
     MultilevelConfig,
     VisitConfig,
 )
+from megatron_multilevel.config.muon import (
+    AUX_ADAM_STATE_KEYS,
+    MUON_STATE_KEYS,
+    check_muon,
+    is_muon,
+    muon_defaults,
+    muon_parameter,
+    parameter_state_keys,
+)
 from megatron_multilevel.config.ode import RESIDUAL_SCALES, OdeConfig
 from megatron_multilevel.config.optimizers import check_optimizer, check_optimizers
 from megatron_multilevel.config.parallel import (
@@ -50,7 +59,8 @@ __all__ = [
     "carries_optimizer_state", "check_deepspeed_keys", "deep_merge", "optimizer_state_keys",
     "TP_SPLIT_SIZES", "ModelConfig", "check_model_parallel", "coarse_model_config", "undivided_size",
     "valid_tp_sizes", "COALESCE_ONLY_KEYS", "STRATEGIES", "WIDTH_GROWTHS", "LevelConfig", "MultilevelConfig",
-    "VisitConfig",
+    "VisitConfig", "AUX_ADAM_STATE_KEYS", "MUON_STATE_KEYS", "check_muon", "is_muon", "muon_defaults",
+    "muon_parameter", "parameter_state_keys",
     "RESIDUAL_SCALES", "OdeConfig", "check_optimizer", "check_optimizers", "ParallelConfig",
     "check_sequence_parallel_supported", "resolve_sequence_parallel", "check_alpha", "check_positive",
     "parse_dataclass", "to_dict", "OUR_KEYS", "RunConfig", "config_to_dict", "load_config", "match_optimizer_rate",

@@ -30,9 +30,12 @@ ZERO_STAGES = (0, 1, 2, 3)
 # (each level's engine would start its own W&B run and log its own sample counts)
 MONITOR_KEYS = ("tensorboard", "wandb", "csv_monitor", "comet")
 
-# The optimizer state the transitions keep or map, by DeepSpeed optimizer type (lower case).
+# The optimizer state the transitions keep or map, by DeepSpeed optimizer type (lower case). Muon's
+# is per parameter (``config.muon.parameter_state_keys``): its momentum for the layers' weight
+# matrices, its auxiliary Adam's moments for the rest; a stream of one key moves the parameters
+# that keep it.
 OPTIMIZER_STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"),
-                        "sgd": ("momentum_buffer",)}
+                        "sgd": ("momentum_buffer",), "muon": ("momentum_buffer", "exp_avg", "exp_avg_sq")}
 # How each state scales when its parameter is rescaled: the states are in units of the gradient
 # (first moments, momentum) or of the squared gradient (Adam's second moment), and where a
 # parameter is multiplied by ``s`` its gradient is multiplied by ``1 / s`` (the chain rule). A
@@ -41,8 +44,8 @@ OPTIMIZER_STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", 
 # ``s ** degree``: Adam's step ``m / sqrt(v)`` is then the same in either parametrisation (eps
 # aside), and the gradients added later are in the same units.
 STATE_DEGREE = {"exp_avg": -1, "exp_avg_sq": -2, "momentum_buffer": -1}
-# Their DeepSpeed spellings: the Adam types in any case, torch's SGD only as spelled.
-STATE_OPTIMIZERS = ("Adam", "AdamW", "SGD")
+# Their DeepSpeed spellings: the Adam types and Muon in any case, torch's SGD only as spelled.
+STATE_OPTIMIZERS = ("Adam", "AdamW", "Muon", "SGD")
 
 
 def check_deepspeed_keys(keys, where: str) -> None:
@@ -75,12 +78,12 @@ def check_batch_and_zero(deepspeed: dict, where: str = "") -> None:
 
 def carries_optimizer_state(kind: str) -> bool:
     """Whether the transitions know the state of DeepSpeed's ``optimizer.type`` ``kind``."""
-    return kind.lower() in ("adam", "adamw") or kind == "SGD"
+    return kind.lower() in ("adam", "adamw", "muon") or kind == "SGD"
 
 
 def optimizer_state_keys(deepspeed: dict) -> tuple[str, ...]:
     """The optimizer state a transition can carry under a DeepSpeed config: Adam's moments, SGD's
-    momentum (none without momentum)."""
+    momentum (none without momentum), Muon's momentum and its auxiliary Adam's moments."""
     optimizer = deepspeed.get("optimizer", {"type": "AdamW"})
     kind = optimizer.get("type", "AdamW").lower()
     if kind == "sgd" and not optimizer.get("params", {}).get("momentum", 0.0):

@@ -9,6 +9,7 @@ arguments; ``tests/test_first_hour.py`` keeps them equal to the installed DeepSp
 """
 
 from megatron_multilevel.config.deepspeed import deep_merge
+from megatron_multilevel.config.muon import check_muon, check_muon_params, is_muon
 
 # The classes DeepSpeed may build, and the keyword arguments ``optimizer.params`` may pass to each
 # (the ones DeepSpeed passes itself left out).
@@ -151,13 +152,18 @@ def check_optimizer(deepspeed: dict, *, where: str = "") -> None:
             raise ValueError(f"{what} of optimizer.type = {block['type']!r} (DeepSpeed builds {cls}); valid params "
                              f"are {list(valid)}")
         check_param_values(params)
+        if is_muon(deepspeed):
+            check_muon_params(params)
     except ValueError as e:
         raise ValueError(f"{where}{e}") from None
 
 
 def check_optimizers(cfg) -> None:
-    """Check the optimizer of a ``RunConfig``, and every level's, where a level overrides it."""
+    """Check the optimizer of a ``RunConfig``, and every level's, where a level overrides it; Muon's
+    layout at every level (``config.muon.check_muon``)."""
     check_optimizer(cfg.deepspeed)
+    for level, tp in enumerate(cfg.level_tp_sizes()):
+        check_muon(cfg.level_deepspeed(level), tp, where="" if level == 0 else f" (level {level})")
     if not cfg.multilevel.enabled:
         return
     ode = cfg.multilevel.ode

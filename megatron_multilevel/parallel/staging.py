@@ -101,9 +101,9 @@ def load_moments(engine, staged: Staged) -> None:
 
 def write_optimizer_state(engine, cfg: ModelConfig, readers: dict, step: int, *, local: bool = False) -> None:
     """Write the optimizer state read from ``readers`` (a reader per state key: ``exp_avg``,
-    ``exp_avg_sq`` or ``momentum_buffer``; full tensors, or with ``local`` this rank's shards) into
-    a freshly initialised DeepSpeed engine (ZeRO 0-3) of a model of ``cfg``, with Adam's step count
-    ``step``."""
+    ``exp_avg_sq`` or ``momentum_buffer``, of the parameters that keep it; full tensors, or with
+    ``local`` this rank's shards) into a freshly initialised DeepSpeed engine (ZeRO 0-3) of a model
+    of ``cfg``, with Adam's step count ``step``."""
     materialize_optimizer_state(engine.optimizer, tuple(readers))
     for key, reader in readers.items():
         writer = ModelWriter(engine.module, cfg, Groups.current(), local=local, optimizer=engine.optimizer,
@@ -111,9 +111,11 @@ def write_optimizer_state(engine, cfg: ModelConfig, readers: dict, step: int, *,
         copy_stream(reader, writer, cfg.num_layers, cfg=cfg)
     if "exp_avg" not in readers:
         return  # SGD's momentum has no step count
-    # Adam's bias correction continues from the step count the moments were built over.
+    # Adam's bias correction continues from the step count the moments were built over (Muon's
+    # momentum has none: only its auxiliary Adam's states).
     for state in inner_torch_optimizer(engine.optimizer).state.values():
-        state["step"] = torch.tensor(float(step))
+        if "exp_avg" in state:
+            state["step"] = torch.tensor(float(step))
 
 
 def copy_stream(reader, writer, num_layers: int, *, cfg: Optional[ModelConfig] = None) -> None:

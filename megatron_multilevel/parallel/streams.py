@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_multilevel.config import ModelConfig
+from megatron_multilevel.parallel.muon_state import carries_state, full_state, set_full_state
 from megatron_multilevel.parallel.tp_layout import partition_dim, shard, unshard
 from megatron_multilevel.parallel.zero import (
     StateKey,
@@ -119,7 +120,7 @@ class _ModelStream:
 
     def __init__(self, module, cfg: ModelConfig, groups: Groups, *, local: bool = False,
                  optimizer=None, state_key: StateKey = None):
-        named = dict(module.named_parameters())
+        named = {name: p for name, p in module.named_parameters() if carries_state(p, state_key)}
         self.tied_copy = named.pop(TIED_OUTPUT, None) if cfg.share_embeddings_and_output_weights else None
         offset = layer_offset(module) if groups.pp_size > 1 else 0
         self.params = {global_name(name, offset): p for name, p in named.items()}
@@ -257,11 +258,11 @@ class ModelReader(_ModelStream):
     def _local_value(self, p) -> torch.Tensor:
         """This rank's tensor-parallel shard, whole over data-parallel ranks, in fp32 where the
         optimizer keeps fp32 masters."""
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+        from deepspeed.utils import safe_get_full_fp32_param
 
         if self.state_key is not None:
             if is_zero3(p) or hasattr(p, "_hp_mapping"):
-                return safe_get_full_optimizer_state(p, self.state_key)
+                return full_state(p, self.state_key, self.optimizer)
             state = inner_torch_optimizer(self.optimizer).state.get(p, {})
             value = state.get(self.state_key)
             return torch.zeros_like(p, dtype=torch.float32) if value is None else value.detach().float()
@@ -402,12 +403,10 @@ class ModelWriter(_ModelStream):
                     p.data.copy_(v)
 
     def _write_state(self, params) -> None:
-        from deepspeed.utils import safe_set_full_optimizer_state
-
         torch_optimizer = inner_torch_optimizer(self.optimizer)
         for p, v in params:
             if is_zero3(p) or hasattr(p, "_hp_mapping"):
-                safe_set_full_optimizer_state(p, v.float(), self.state_key)
+                set_full_state(p, v.float(), self.state_key, self.optimizer)
             else:
                 torch_optimizer.state[p][self.state_key].copy_(v)
 

@@ -13,6 +13,8 @@ from typing import Literal, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_multilevel.parallel.muon_state import materialize_muon_state
+
 StateKey = Optional[Literal["exp_avg", "exp_avg_sq", "momentum_buffer"]]
 
 
@@ -50,6 +52,7 @@ def write_range(part: torch.Tensor, group, start: int, values: torch.Tensor, num
 def fragment_range(p, key: StateKey, start: int, stop: int) -> torch.Tensor:
     """Elements ``[start, stop)`` of the flat fp32 master (or moment ``key``) of a ZeRO-1/2 or bf16
     parameter: each rank adds its fragment's overlap, as DeepSpeed's full gather does."""
+    assert key != "momentum_buffer" or not getattr(p, "use_muon", False), "Muon's matrices move whole"
     out = torch.zeros(stop - start, dtype=torch.float32, device=p.device)
     mapping = p._hp_mapping
     if mapping is not None:
@@ -63,6 +66,7 @@ def fragment_range(p, key: StateKey, start: int, stop: int) -> torch.Tensor:
 
 def write_fragment_range(p, key: StateKey, start: int, values: torch.Tensor) -> None:
     """Store this rank's fragment's overlap of a range of a ZeRO-1/2 parameter's flat moment."""
+    assert key != "momentum_buffer" or not getattr(p, "use_muon", False), "Muon's matrices move whole"
     mapping = p._hp_mapping
     if mapping is None:
         return
@@ -88,9 +92,13 @@ def materialize_optimizer_state(optimizer, keys: Sequence[str]) -> None:
 
     Torch's Adam and SGD, and DeepSpeed's ZeRO optimizers around them, create their state lazily
     at the first step; moments can only be written into a state that exists. A zero state is what
-    a fresh Adam starts from, and what SGD's momentum starts from without dampening.
+    a fresh Adam starts from, and what SGD's momentum starts from without dampening. Muon's state
+    is per parameter and in layouts of its own (``muon_state.materialize_muon_state``).
     """
     inner = inner_torch_optimizer(optimizer)
+    if materialize_muon_state(optimizer, inner):
+        link_optimizer_state(optimizer)
+        return
     params = [p for group in inner.param_groups for p in group["params"]]
     # ZeRO-3 hands its flat fp32 partitions to the torch optimizer only during a step.
     params += list(getattr(optimizer, "fp32_partitioned_groups_flat", []))

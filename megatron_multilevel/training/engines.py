@@ -4,11 +4,13 @@ The global batch stays the same at every level; when a level changes its tensor-
 its data-parallel size and micro-batch follow.
 """
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
 
-from megatron_multilevel.config import ModelConfig, RunConfig, optimizer_state_keys
+from megatron_multilevel.config import (ModelConfig, RunConfig, is_muon, muon_defaults, muon_parameter,
+                                        optimizer_state_keys)
 from megatron_multilevel.distributed import default_backend, set_tensor_model_parallel_size
 from megatron_multilevel.level_maps import LayerSelection
 from megatron_multilevel.models import build_model
@@ -83,6 +85,7 @@ class LevelEngines:
         ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
         ds["optimizer"].setdefault("params", {})["lr"] = lr_peak
         ds.setdefault("steps_per_print", 10**9)
+        muon_defaults(ds)
         if self.pipelined(level) and not ds.get("zero_optimization", {}).get("stage", 0):
             # clipped by the pipeline step (see pipeline_clip); 0, not absent: DeepSpeed's default is 1
             ds["gradient_clipping"] = 0.0
@@ -195,31 +198,71 @@ class LevelEngines:
         from megatron_multilevel.parallel.mpu import mpu
 
         config = self.ds_config(level, lr_peak)
-        weight_decay = config["optimizer"]["params"].get("weight_decay", 0.0)
-        groups = parameter_groups(model.named_parameters(), weight_decay, lr_peak, self.models[level].layer_lr_factor)
-        engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=groups, config=config, mpu=mpu,
-            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor),
-        )
+        params = config["optimizer"]["params"]
+        muon = (params.get("muon_lr", lr_peak), params.get("adam_lr", lr_peak)) if is_muon(config) else None
+        groups = parameter_groups(model.named_parameters(), params.get("weight_decay", 0.0), lr_peak,
+                                  self.models[level].layer_lr_factor, muon_rates=muon)
+        with muon_tags(muon is not None):
+            engine, *_ = deepspeed.initialize(
+                model=model, model_parameters=groups, config=config, mpu=mpu,
+                lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor),
+            )
         if self.pipelined(level):
             set_up_pipelined_engine(engine)
         return engine
 
 
-def parameter_groups(named_parameters, weight_decay: float, lr: float, layer_lr_factor: float = 1.0) -> list[dict]:
+def parameter_groups(named_parameters, weight_decay: float, lr: float, layer_lr_factor: float = 1.0, *,
+                     muon_rates: Optional[tuple[float, float]] = None) -> list[dict]:
     """The optimizer's parameter groups: no weight decay on biases and norms (Megatron's
     convention); with depth-muP (``layer_lr_factor`` not 1) the transformer layers' parameters in
     groups of their own at ``lr * layer_lr_factor``. Empty groups are left out; the order is fixed
     (decayed weights, then biases and norms; the layers' after the rest's), as the checkpoint's
-    optimizer state is."""
-    groups: dict[tuple[bool, bool], list] = {(d, l): [] for l in (False, True) for d in (True, False)}
+    optimizer state is. With ``muon_rates`` (Muon's and its auxiliary Adam's peak rates: DeepSpeed's
+    ``muon_lr`` and ``adam_lr``), each group holds one half (``config.muon_parameter``) at its half's
+    rate (times the layers' factor): DeepSpeed gives a group's ``lr`` to both halves of it."""
+    halves = (True, False) if muon_rates else (False,)
+    groups: dict[tuple[bool, bool, bool], list] = {
+        (d, l, m): [] for l in (False, True) for d in (True, False) for m in halves}
     for name, p in named_parameters:
         decayed = not (name.endswith("bias") or "norm" in name)
         in_layer = layer_lr_factor != 1.0 and ".layers." in name
-        groups[decayed, in_layer].append(p)
-    return [{"params": params, "weight_decay": weight_decay if decayed else 0.0,
-             **({"lr": lr * layer_lr_factor} if in_layer else {})}
-            for (decayed, in_layer), params in groups.items() if params]
+        muon = bool(muon_rates) and muon_parameter(name, getattr(p, "ds_shape", p.shape))
+        groups[decayed, in_layer, muon].append(p)
+    out = []
+    for (decayed, in_layer, muon), params in groups.items():
+        rate = lr if muon_rates is None else muon_rates[0 if muon else 1]
+        explicit = in_layer or muon_rates is not None
+        if params:
+            out.append({"params": params, "weight_decay": weight_decay if decayed else 0.0,
+                        **({"lr": rate * (layer_lr_factor if in_layer else 1.0)} if explicit else {})})
+    return out
+
+
+@contextlib.contextmanager
+def muon_tags(muon: bool):
+    """With ``muon``, make ``deepspeed.initialize`` tag ``use_muon`` by ``config.muon_parameter`` (the
+    layers' weight matrices; the embeddings, output layer, heads, norms and biases to the auxiliary
+    Adam). DeepSpeed tags every parameter itself (``set_optimizer_flags``: any matrix whose name has
+    no "embed" or "lm_head", Megatron's ``output_layer`` too) inside ``initialize``, just before it
+    builds the optimizer; its tagging runs, then this one."""
+    import deepspeed
+
+    if not muon:
+        yield
+        return
+    own = deepspeed.set_optimizer_flags
+
+    def tag(config_class, model):
+        own(config_class, model)
+        for name, p in model.named_parameters():
+            p.use_muon = muon_parameter(name, getattr(p, "ds_shape", p.shape))
+
+    deepspeed.set_optimizer_flags = tag
+    try:
+        yield
+    finally:
+        deepspeed.set_optimizer_flags = own
 
 
 def build_empty_model(cfg: ModelConfig, layout: Layout, ds_config: Optional[dict] = None, *,
