@@ -77,6 +77,9 @@ METHODS: tuple[Method, ...] = (
            "Chen et al., ACL 2022", flags=("--bert2bert-init",)),
     Method("late", "growth", "late", "the late single expansion: a k-layer model grown once to full depth",
            "Bu, ICML 2026", flags=("--late-share", "--late-layers", "--late-init")),
+    Method("bu", "growth", "bu", "Bu's late expansion as published: Muon, weight decay 0.01, no clipping, WSD with a "
+           "2% warm-up and a 10% decay, one layer expanded at tau (before the decay) by copies or fresh layers",
+           "Bu, ICML 2026", flags=("--late-share", "--late-init")),
     Method("source", "control", "source", "the late expansion's k-layer model alone, on scratch's tokens (or FLOPs)",
            flags=("--late-layers",)),
     Method("ode2", "cycle", "ode", "the multilevel ODE strategy", "Lauga et al., 2025", flags=("--ode",)),

@@ -304,3 +304,31 @@ def test_fresh_layers_are_initialised_for_the_model_the_growth_ends_in(corpus, t
     for name in ("mlp.linear_fc2.weight", "self_attention.linear_proj.weight"):
         assert fresh[name].std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.05), name
     assert fresh["mlp.linear_fc1.weight"].std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_bus_recipe_as_published():
+    """``bu``: Muon (its auxiliary Adam at its own rate), weight decay 0.01, no clipping, a 2%
+    warm-up and a decay over the last 10% of the steps to 0, the one-layer source expanded at tau
+    with the same rate after it, the new layers' state zero; its scratch on the same optimizer and
+    schedule. A tau whose expansion falls in the decay, and an init the paper rejects, are refused."""
+    from megatron_multilevel.config import load_config
+    from megatron_multilevel.study.late import bu_configs
+
+    made = bu_configs(_scratch(steps=1000), steps=1000, lr=0.02, adam_lr=0.004, share=0.9, init="random")
+    for name in ("bu", "scratch"):
+        cfg = load_config(made[name])
+        assert made[name]["optimizer"]["type"] == "Muon" and made[name]["gradient_clipping"] == 0.0
+        params = made[name]["optimizer"]["params"]
+        assert (params["lr"], params["adam_lr"], params["weight_decay"]) == (0.02, 0.004, 0.01)
+    run = load_config(made["scratch"]).training.lr
+    assert run.warmup_steps == 20 and round(run.decay_fraction * (1000 - 20)) == 100 and run.min_ratio == 0.0
+    ml = load_config(made["bu"]).multilevel
+    specs = [(s.level, s.steps) for s in ml.phase_specs()]
+    assert specs[0] == (4, 900) and specs[-1] == (0, 100) and sum(s for _, s in specs) == 1000
+    assert (ml.growth_operator, ml.grown_moments, ml.optimizer_state, ml.lr_schedule) == ("random", "zero", "map",
+                                                                                        "continue")
+    assert ml.phase_specs()[-1].lr.warmup_steps == 0  # no second warm-up after the expansion
+    with pytest.raises(ValueError, match="after the decay"):
+        bu_configs(_scratch(steps=1000), steps=1000, lr=0.02, share=0.95)
+    with pytest.raises(ValueError, match=r"valid choices are \['copy', 'random'\]"):
+        bu_configs(_scratch(steps=1000), steps=1000, lr=0.02, init="identity")

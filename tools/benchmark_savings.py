@@ -9,7 +9,8 @@
     python tools/benchmark_savings.py --methods bert2bert --bert2bert-init aki   # bert2BERT grown by AKI
     python tools/benchmark_savings.py --size gpt-base --procs 8 --steps 20000 --out runs/savings_gpt_base
 
-Every method trains on the same data, tokenizer, model shape and validation samples, within the
+Every method trains on the same data, tokenizer, model shape and validation samples (every run, at
+every budget fraction, reads a prefix of one training sample order: ``--order-samples``), within the
 budget of training from scratch: the same training FLOPs (default; coarse steps are cheaper, so
 the other methods see more tokens) or the same tokens (``--budget tokens``), each run through the
 real launcher. Two measures of the saving, per seed against training from scratch with the same
@@ -102,10 +103,12 @@ def fine_lr(args) -> float:
 
 
 def variants(args, base: dict) -> dict[str, dict]:
-    from megatron_multilevel.study.late import late_configs, mup_suffix, with_depth_mup, with_schedule
+    from megatron_multilevel.study.late import (bu_configs, late_configs, mup_suffix, with_depth_mup,
+                                                with_optimizer, with_schedule)
     from megatron_multilevel.study.variants import variant_configs
 
     size = SIZES[args.size]
+    base = with_optimizer(base, args.optimizer, fine_lr(args), args.muon_adam_lr)
     steps = args.steps or size["steps"]
     after_warmup = max(1, steps // 25) if args.after_warmup is None else args.after_warmup
     common = dict(steps=steps, coarse_lr_factor=args.coarse_lr_factor, warmup=max(1, steps // 25),
@@ -117,7 +120,9 @@ def variants(args, base: dict) -> dict[str, dict]:
             # (also under --fine-lr: one name, one config, whatever the other methods' rate); so is
             # a decay over the last part of the steps only (warm-up, stable, decay)
             other = args.scratch_optimizer == "adamw" and "optimizer" in size  # a size of SGD trained by AdamW
-            name = "scratch" if lr == size["fine_lr"] and not other else f"scratch{'-adamw' * other}-lr{lr:g}"
+            muon = "-muon" * (args.optimizer == "muon")
+            name = ("scratch" if lr == size["fine_lr"] and not other and not muon
+                    else f"scratch{'-adamw' * other}{muon}-lr{lr:g}")
             name += ("" if decay == 1.0 else f"-wsd{decay:g}") + ("" if shape == "cosine" else f"-{shape}")
             out[name] = variant_configs({**base, "optimizer": adamw(lr)} if other else base, fine_lr=lr, methods=[],
                                         **common)["scratch"]
@@ -144,6 +149,11 @@ def variants(args, base: dict) -> dict[str, dict]:
                                  share=args.late_share, layers=args.late_layers, init=args.late_init,
                                  optimizer_state=args.optimizer_state, grown_moments=args.grown_moments or "zero",
                                  lr_schedule=args.lr_schedule, after_warmup=after_warmup, budget=args.budget))
+    if "bu" in args.methods:  # Bu's recipe, and scratch under its optimizer and schedule at its rate
+        made = bu_configs(main["scratch"], steps=steps, lr=fine_lr(args), adam_lr=args.muon_adam_lr,
+                          share=args.late_share, init=args.late_init, decay=args.decay or "1-sqrt")
+        main["bu"] = made["bu"]
+        out[f"scratch-bu-lr{fine_lr(args):g}"] = made["scratch"]
     for name in args.methods:
         # bert2bert grown by AKI is named apart from the FPI runs (results of both can share --results)
         out[name + "-aki" if name == "bert2bert" and args.bert2bert_init == "aki" else name] = main[name]
@@ -165,7 +175,7 @@ def variants(args, base: dict) -> dict[str, dict]:
             for name in cycles:
                 out[f"{name}-{shape}"] = methods(shape=shape)[name]
     # every method's schedule as the flags say (warmup-stable-decay: --decay-fraction below 1)
-    out = {name: cfg if name.startswith("scratch") else with_schedule(
+    out = {name: cfg if name.startswith(("scratch", "bu")) else with_schedule(
         cfg, decay=args.decay, decay_fraction=args.decay_fraction, min_ratio=args.min_ratio,
         grown_moments=args.grown_moments) for name, cfg in out.items()}
     out = {name + mup_suffix(args) * name.startswith("scratch"): with_depth_mup(cfg, args.depth_mup, args.depth_mup_base)
@@ -280,8 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="cpu")
     p.add_argument("--steps", type=int, default=None, help="global batches of training from scratch (the budget)")
-    p.add_argument("--methods", nargs="+", default=["vcycle2", "vcycle3", "stacking"], choices=METHODS,
-                   help="compared with training from scratch")
+    p.add_argument("--methods", nargs="*", default=["vcycle2", "vcycle3", "stacking"], choices=METHODS,
+                   help="compared with training from scratch (given with none: training from scratch only, a sweep "
+                        "of its rates)")
     p.add_argument("--fractions", type=float, nargs="+", default=[1.0],
                    help="budget fractions each compared method runs at, its whole schedule compressed to each "
                         "(the equal-quality measure); training from scratch runs at 1.0")
@@ -352,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evals", type=int, default=12, help="validation points per run")
     p.add_argument("--eval-batches", "--eval_batches", type=int, default=32)
     p.add_argument("--split", default="95,5,0", help="data.split of every run")
+    p.add_argument("--order-samples", "--order_samples", type=int, default=None,
+                   help="data.order_samples of every run, which all read prefixes of one sample order (default: the "
+                        "kept runs' value, else the training samples of the longest run at the full budget)")
     p.add_argument("--data-prefix", "--data_prefix", default=None)
     p.add_argument("--tokenizer-model", "--tokenizer_model", default=None)
     p.add_argument("--seed", type=int, default=1234)
@@ -384,7 +398,7 @@ def main(argv=None) -> int:
     p = build_parser()
     args = parse_args(p, argv)
     from megatron_multilevel.config import load_config
-    from megatron_multilevel.study.runs import source_version
+    from megatron_multilevel.study.runs import kept_runs, source_version, table_order
     from megatron_multilevel.study.variants import compress
 
     base = base_config(args)
@@ -398,6 +412,13 @@ def main(argv=None) -> int:
     version = source_version(ROOT)
     results_dir = os.path.join(args.results or args.out, "runs")
     os.makedirs(results_dir, exist_ok=True)
+    if not args.report_only:  # one sample order for the table: every run, every fraction, reads a prefix of it
+        try:
+            order = table_order(configs, kept_runs(results_dir, version)[0], args.order_samples, where=results_dir)
+        except ValueError as e:
+            p.error(str(e))
+        for cfg in [base, *configs.values()]:
+            cfg.setdefault("data", {})["order_samples"] = order
     work = os.path.join(args.out, "work", version)
     os.makedirs(work, exist_ok=True)
     names = list(configs)

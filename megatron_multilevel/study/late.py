@@ -113,6 +113,19 @@ def with_depth_mup(config: dict, exponent=None, base_layers: int = 1) -> dict:
     return out
 
 
+def with_optimizer(config: dict, optimizer: str, lr: float, adam_lr: "float | None" = None) -> dict:
+    """``config`` with ``--optimizer``'s optimizer at ``lr`` (``size``: ``config`` as it is); Muon's
+    auxiliary Adam at ``adam_lr``."""
+    from megatron_multilevel.study.sizes import muon
+
+    if optimizer == "size":
+        return config
+    if optimizer != "muon":
+        raise ValueError(f"invalid optimizer {optimizer!r}; valid choices are ['size', 'muon']")
+    # no gradient clipping, as Muon's recipes train (its update is orthogonalised, whatever the norm)
+    return {**copy.deepcopy(config), "optimizer": muon(lr, adam_lr=adam_lr), "gradient_clipping": 0.0}
+
+
 def mup_suffix(args) -> str:
     """What a scratch run's name gains under ``--depth-mup`` (its runs apart from the plain ones)."""
     return "" if args.depth_mup is None else f"-mup{args.depth_mup:g}-base{args.depth_mup_base}"
@@ -161,6 +174,40 @@ def late_configs(scratch: dict, *, steps: int, fine_lr: float, warmup: int, shar
     return {"late": late, "source": source}
 
 
+# Bu's recipe as published (ICML 2026): Muon (its auxiliary Adam for the embeddings, the output
+# layer, norms and biases), weight decay 0.01, no gradient clipping; one WSD schedule with a 2%
+# warm-up and a 10% decay to 0; a one-layer source expanded at tau of the steps to full depth with
+# the same rate after it (no second warm-up), the new layers copies of the trained layer or fresh,
+# not function-preserving; the new layers' optimizer state zero.
+BU_WARMUP, BU_DECAY, BU_WEIGHT_DECAY = 0.02, 0.10, 0.01
+BU_INITS = ("copy", "random")
+
+
+def bu_configs(scratch: dict, *, steps: int, lr: float, adam_lr: "float | None" = None, share: float = 0.9,
+               init: str = "copy", decay: str = "1-sqrt") -> dict[str, dict]:
+    """Bu's late expansion with its published settings (``bu``), beside its scratch under the same
+    optimizer and schedule (``scratch``), from ``scratch`` (a from-scratch config of the full model)
+    for ``steps`` steps, Muon at the rate ``lr`` and its auxiliary Adam at ``adam_lr`` (None: ``lr``).
+    The expansion must come before the decay: a ``share`` past it is refused
+    (``multilevel.growth_in_decay``)."""
+    from megatron_multilevel.study.sizes import muon
+
+    if init not in BU_INITS:
+        raise ValueError(f"invalid late_init {init!r} for Bu's recipe; valid choices are {list(BU_INITS)}")
+    warmup = max(1, round(BU_WARMUP * steps))
+    base = copy.deepcopy(scratch)
+    base["optimizer"] = muon(lr, adam_lr=adam_lr, weight_decay=BU_WEIGHT_DECAY)
+    base["gradient_clipping"] = 0.0
+    base["training"]["lr"] = {**base["training"]["lr"], "peak": lr, "warmup_steps": warmup, "decay": decay,
+                              "decay_fraction": min(1.0, BU_DECAY * steps / max(1, steps - warmup)),
+                              "min_ratio": 0.0}
+    late = late_configs(base, steps=steps, fine_lr=lr, warmup=warmup, share=share, layers=1, init=init,
+                        optimizer_state="map", grown_moments="zero", lr_schedule="continue", after_warmup=0,
+                        budget="tokens")["late"]
+    load_config(late)  # the expansion before the decay, or one clear line
+    return {"bu": late, "scratch": base}
+
+
 def add_schedule_flags(p) -> None:
     """The benchmark's flags of the schedule every method runs (warmup-stable-decay), of scratch's
     decay shapes, and of the late expansion (``tools/benchmark_savings.py``)."""
@@ -179,6 +226,12 @@ def add_schedule_flags(p) -> None:
                         "0.5: Depth-muP")
     p.add_argument("--depth-mup-base", "--depth_mup_base", type=int, default=1,
                    help="--depth-mup: the depth whose model is the standard one (the late source's, 1)")
+    p.add_argument("--optimizer", choices=["size", "muon"], default="size",
+                   help="every run (scratch's too, named apart) with the size's optimizer, or with DeepSpeed's Muon "
+                        "at the same rates (bu always runs Muon)")
+    p.add_argument("--muon-adam-lr", "--muon_adam_lr", type=float, default=None,
+                   help="--optimizer muon and bu: the peak rate of Muon's auxiliary Adam (embeddings, output layer, "
+                        "norms, biases); the swept rate (--scratch-lr, --fine-lr) is the Muon half's (default: the same)")
     p.add_argument("--late-share", "--late_share", type=float, default=0.8,
                    help="late: share of the steps the small model trains before the expansion (the paper's tau)")
     p.add_argument("--late-layers", "--late_layers", type=int, default=1,

@@ -61,3 +61,13 @@ SIZES = {
 def adamw(lr: float) -> dict:
     """The AdamW of every size that names no other optimizer."""
     return {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.01, "torch_adam": True}}
+
+
+def muon(lr: float, *, adam_lr: "float | None" = None, weight_decay: float = 0.01) -> dict:
+    """DeepSpeed's Muon at ``lr`` for the layers' matrices (Keller Jordan's momentum 0.95), its
+    auxiliary Adam (torch's, as ``adamw``'s, with its betas) at ``adam_lr`` (None: ``lr``) for the
+    embeddings, the output layer, norms and biases; both follow the run's schedule."""
+    params = {"lr": lr, "momentum": 0.95, "betas": [0.9, 0.95], "weight_decay": weight_decay, "torch_adam": True}
+    if adam_lr is not None:
+        params["adam_lr"] = adam_lr
+    return {"type": "Muon", "params": params}
