@@ -332,3 +332,27 @@ def test_bus_recipe_as_published():
         bu_configs(_scratch(steps=1000), steps=1000, lr=0.02, share=0.95)
     with pytest.raises(ValueError, match=r"valid choices are \['copy', 'random'\]"):
         bu_configs(_scratch(steps=1000), steps=1000, lr=0.02, init="identity")
+
+
+@pytest.mark.parametrize("beta2, warned", [(0.999, True), (0.95, False)])
+def test_zero_moments_under_a_slow_second_moment_are_said(beta2, warned):
+    """The new layers' zero moments keep the run's step count: with betas[1] 0.999 Adam's updates of
+    them are 3 to 6.5 times a fresh Adam's (said in one line), with 0.95 within 0.45 to 1.1."""
+    import warnings
+
+    from megatron_multilevel.config import load_config
+
+    config = {"train_batch_size": 8, "data": {"seq_length": 32},
+              "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, beta2]}},
+              "model": {"kind": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                        "vocab_size": 512, "max_sequence_length": 32}, "multilevel": {**LATE}}
+    config["multilevel"]["levels"][0]["lr_after"] = {**WSD, "peak": 2e-3}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(config)
+    said = [str(w.message) for w in caught if "grown_moments 'zero'" in str(w.message)]
+    assert bool(said) == warned, said
+    # the factors the message states: (1 - b1^k) / sqrt(1 - b2^k) over the first hundred steps
+    ratios = [(1 - 0.9 ** k) / (1 - beta2 ** k) ** 0.5 for k in range(1, 101)]
+    assert (min(ratios), max(ratios)) == ((pytest.approx(0.447, abs=0.01), pytest.approx(1.1, abs=0.01))
+                                          if not warned else (pytest.approx(3.16, abs=0.01), pytest.approx(6.53, abs=0.05)))

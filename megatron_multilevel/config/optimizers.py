@@ -166,6 +166,7 @@ def check_optimizers(cfg) -> None:
         check_muon(cfg.level_deepspeed(level), tp, where="" if level == 0 else f" (level {level})")
     if not cfg.multilevel.enabled:
         return
+    warn_fresh_moments(cfg)
     ode = cfg.multilevel.ode
     if ode is not None and {"optimizer", "zero_optimization"} & set(ode.coarse_deepspeed):
         where = "multilevel.ode.coarse_deepspeed (merged into the top-level DeepSpeed keys): "
@@ -174,3 +175,41 @@ def check_optimizers(cfg) -> None:
         if {"optimizer", "zero_optimization"} & set(level.deepspeed):
             where = f"multilevel.levels[{i}].deepspeed (merged into the top-level DeepSpeed keys): "
             check_optimizer(deep_merge(cfg.deepspeed, level.deepspeed), where=where)
+
+
+# Adam's second-moment decay above which zero moments under a carried step count update the new
+# layers far more than a fresh Adam would (see ``warn_fresh_moments``).
+FRESH_MOMENTS_BETA2 = 0.99
+
+
+def warn_fresh_moments(cfg) -> None:
+    """Say, in one line, where ``grown_moments = "zero"`` meets an Adam whose ``betas[1]`` is above
+    ``FRESH_MOMENTS_BETA2``. The new layers' moments start at zero but keep the run's step count:
+    DeepSpeed's ZeRO optimizers hold one flat partition, and one step count, per parameter group,
+    so a count of their own would need groups of their own at every stage. Adam then does not
+    correct their bias: after ``k`` steps their update is ``(1 - b1^k) / sqrt(1 - b2^k)`` times a
+    fresh Adam's, 0.45 to 1.1 with betas (0.9, 0.95) (a short warm-up of their own), but 3 to 6.5
+    with (0.9, 0.999) over their first hundred steps."""
+    import warnings
+
+    from megatron_multilevel.config.parsing import one_line_warning
+
+    ml = cfg.multilevel
+    if ml.strategy != "coalesce" or ml.optimizer_state != "map" or ml.grown_moments != "zero":
+        return
+    for level in ml.grown_levels():
+        optimizer = cfg.level_deepspeed(level).get("optimizer", {"type": "AdamW"})
+        if optimizer.get("type", "AdamW").lower() not in ("adam", "adamw", "muon"):
+            continue
+        beta2 = optimizer.get("params", {}).get("betas", (0.9, 0.999))[1]
+        if beta2 > FRESH_MOMENTS_BETA2:
+            shown_as = warnings.formatwarning
+            warnings.formatwarning = one_line_warning
+            try:
+                warnings.warn(f"multilevel.grown_moments 'zero' starts the new layers' Adam moments at zero under the "
+                              f"run's step count (no bias correction of their own): with optimizer.params.betas[1] = "
+                              f"{beta2} their first updates are 3 to 6.5 times a fresh Adam's; betas [0.9, 0.95] keep "
+                              f"them within 0.45 to 1.1 (docs/growth.md)", stacklevel=2)
+            finally:
+                warnings.formatwarning = shown_as
+            return
