@@ -17,7 +17,6 @@ this budget (``--no-control`` skips it).
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -25,39 +24,6 @@ import torch
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                               "gpt_tiny_cpu.json")
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Set ``dotted.key=value`` pairs in a JSON-like dict (values parsed as JSON when they are)."""
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} is not of the form dotted.key=value")
-        key, raw = item.split("=", 1)
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        parts = key.split(".")
-        node = data
-        for i, part in enumerate(parts[:-1]):
-            nxt = node[_index(node, part, item)] if isinstance(node, list) else node.setdefault(part, {})
-            if not isinstance(nxt, (dict, list)):
-                raise ValueError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not an object")
-            node = nxt
-        last = parts[-1]
-        if isinstance(node, list):
-            node[_index(node, last, item)] = value
-        else:
-            node[last] = value
-    return data
-
-
-def _index(node: list, part: str, item: str) -> int:
-    """``part`` as an index into the list ``node``; ValueError naming the override where it is none."""
-    if not part.isdigit() or int(part) >= len(node):
-        raise ValueError(f"override {item!r}: {part!r} is not an index of a list of {len(node)} item(s); valid "
-                         f"indices are {list(range(len(node)))}")
-    return int(part)
 
 
 def parse_args(argv=None):
@@ -127,7 +93,7 @@ def main(argv=None) -> int:
     import warnings
 
     from megatron_multilevel.config import load_config
-    from megatron_multilevel.config.parsing import one_line_warning, read_json
+    from megatron_multilevel.config.parsing import apply_overrides, one_line_warning, read_json
     from megatron_multilevel.training.baseline import baseline_config, control_config, run_reference
 
     if args.check:  # every warning of the config one line, as the check shows them before launch

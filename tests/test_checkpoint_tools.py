@@ -177,3 +177,30 @@ def test_errors(run, tmp_path):
     ok(convert("to-full", run["dir"], tmp_path / "exists", "--overwrite"))
     result = convert("to-full", tmp_path / "exists", tmp_path / "exists", "--overwrite")
     assert result.returncode == 2 and "is the source" in result.stderr
+
+
+@pytest.mark.usefixtures("dist_single")
+def test_init_run_says_which_level_it_builds_and_takes_overrides(tmp_path):
+    """A full model's checkpoint given to the default config (an F-cycle, which starts at half depth)
+    is refused in one line that says the cycle starts from its smaller model; ``key=value``
+    overrides change the config as the launcher's do (here to a V-cycle, which starts from the
+    full model: the line no longer names a smaller level)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import random_state_dict
+    from megatron_multilevel.checkpoints.full import save_full
+    from megatron_multilevel.config import load_config
+    from megatron_multilevel.pretrain import DEFAULT_CONFIG
+
+    fine = load_config(json.loads(open(DEFAULT_CONFIG).read())).model
+    save_full(str(tmp_path / "full"), random_state_dict(fine, seed=3), fine, source={"kind": "test"})
+    tool = [sys.executable, "tools/convert_checkpoint.py", "init-run", str(tmp_path / "full")]
+    done = subprocess.run(tool + [str(tmp_path / "run"), "--config", DEFAULT_CONFIG], capture_output=True, text=True)
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "first level (1, 2 x 128: its 'f' cycle starts from its smaller model" in line, line
+    done = subprocess.run(tool + [str(tmp_path / "run2"), "--config", DEFAULT_CONFIG, "training.steps_scale=x"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "training.steps_scale" in done.stderr, done.stderr

@@ -406,7 +406,8 @@ def test_random_growth_and_zero_moments_are_accepted():
 def test_values_no_run_can_take_are_one_line_naming_the_key(override, says):
     """NaN, infinities and values out of range, as overrides give them: refused while the config is
     read, before anything is built, naming the key."""
-    from megatron_multilevel.pretrain import DEFAULT_CONFIG, apply_overrides
+    from megatron_multilevel.config.parsing import apply_overrides
+    from megatron_multilevel.pretrain import DEFAULT_CONFIG
     from megatron_multilevel.config.parsing import read_json
 
     with pytest.raises(ValueError) as e:

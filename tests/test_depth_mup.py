@@ -298,7 +298,9 @@ def test_a_megatron_export_of_a_depth_mup_run_reads_back_under_its_own_config(mu
     plain = {**config, "model": {k: v for k, v in config["model"].items() if not k.startswith("depth_mup")}}
     for name, cfg in (("mup", config), ("plain", plain)):
         (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
-        ok(convert("from-megatron", tmp_path / "megatron", tmp_path / name, "--config", tmp_path / f"{name}.json"))
+        out = ok(convert("from-megatron", tmp_path / "megatron", tmp_path / name, "--config",
+                         tmp_path / f"{name}.json")).stdout
+        assert "| torch_dist | loaded by Megatron-Core (TP=1), against the consolidated checkpoint |" in out, out
     back, folded = (load_source(str(tmp_path / name)).tensors for name in ("mup", "plain"))
     proj = "decoder.layers.3.self_attention.linear_proj.weight"
     assert torch.allclose(folded[proj].float(), 0.5 * run[proj].float(), atol=1e-6)

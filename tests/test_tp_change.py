@@ -15,7 +15,7 @@ import pytest
 from distributed_helpers import run_ranks
 from megatron_multilevel.config import load_config, valid_tp_sizes
 from megatron_multilevel.level_maps import run_level_maps
-from megatron_multilevel.pretrain import apply_overrides
+from megatron_multilevel.config.parsing import apply_overrides
 from test_transitions import _cases, _check, _key, _worker
 
 ROOT = Path(__file__).parent.parent

@@ -87,6 +87,8 @@ def parse_args(argv=None):
     num_gpus(c, "the ranks the run will train on (default: its first level's TP size); ZeRO partitions follow it")
     c.add_argument("--fresh-optimizer", "--fresh_optimizer", action="store_true",
                    help="start with a fresh optimizer even where the source (torch_dist) has an optimizer state")
+    c.add_argument("overrides", nargs="*", metavar="dotted.key=value",
+                   help="changes to the config, as the launcher takes them (e.g. multilevel.cycle=v)")
     c = command("to-megatron", "-> a Megatron-Core torch_dist checkpoint (Megatron-LM's save layout), optimizer included")
     c.add_argument("--iteration", type=int, default=None, help="its iteration number (default: the source's global step)")
     c.add_argument("--no-optimizer", "--no_optimizer", dest="optimizer", action="store_false",
@@ -156,7 +158,7 @@ def main(argv=None) -> int:
             from megatron_multilevel.checkpoints.init_run import init_run
 
             init_run(args.source, args.config, args.output, num_gpus=args.num_gpus, overwrite=args.overwrite,
-                     fresh_optimizer=args.fresh_optimizer)
+                     fresh_optimizer=args.fresh_optimizer, overrides=args.overrides)
         elif args.command in ("to-megatron", "from-megatron"):
             from megatron_multilevel.checkpoints import megatron_convert
 

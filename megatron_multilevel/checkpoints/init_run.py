@@ -13,14 +13,14 @@ loaded the way the trainer loads it and its logits compared with the source's be
 
 import dataclasses
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatron_multilevel.checkpoints import verify
 from megatron_multilevel.checkpoints.convert import load_source
 from megatron_multilevel.checkpoints.full import prepare_output
 from megatron_multilevel.checkpoints.reshard import rank_worker
 from megatron_multilevel.config import config_to_dict, load_config
-from megatron_multilevel.config.parsing import read_json_object
+from megatron_multilevel.config.parsing import apply_overrides, read_json_object
 from megatron_multilevel.level_maps import run_level_maps
 from megatron_multilevel.parallel.spawn import run_ranks
 from megatron_multilevel.training.checkpoint import RunState
@@ -29,8 +29,8 @@ from megatron_multilevel.training.schedule import build_phases, schedule_signatu
 
 
 def init_run(src: str, config_path: str, out: str, *, num_gpus: Optional[int] = None, overwrite: bool = False,
-             fresh_optimizer: bool = False) -> None:
-    config = read_json_object(config_path)
+             fresh_optimizer: bool = False, overrides: Sequence[str] = ()) -> None:
+    config = apply_overrides(read_json_object(config_path), list(overrides))
     config.setdefault("training", {})["output_dir"] = os.path.abspath(out)
     cfg = load_config(config)
     tp, pp = cfg.level_tp_sizes()[0], cfg.level_pipelines()[0].size
@@ -45,8 +45,14 @@ def init_run(src: str, config_path: str, out: str, *, num_gpus: Optional[int] = 
     phases = build_phases(cfg)
     level = phases[0].level
     first = cfg.level_models()[level]  # a growth schedule's small model, a cycle's fine one
-    where = "the config's model" if level == 0 else f"the model of the config's first level ({level})"
-    source = load_source(src, first)
+    where = "the config's model" if level == 0 else (
+        f"the model of the config's first level ({level}, {first.num_layers} x {first.hidden_size}: its "
+        f"{cfg.multilevel.cycle!r} cycle starts from its smaller model; a checkpoint of the full model needs a "
+        f"schedule that starts at level 0, such as a V-cycle or training from scratch)")
+    try:
+        source = load_source(src, first)
+    except ValueError as e:
+        raise ValueError(f"init-run builds the run's first phase, {where}: {e}") from None
     ours = dataclasses.asdict(first)
     theirs = dataclasses.asdict(source.model)
     if ours != theirs:

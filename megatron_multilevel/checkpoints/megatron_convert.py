@@ -2,6 +2,7 @@
 checkpoints to Megatron-Core ``torch_dist`` (Megatron-LM's save layout) and back, each verified
 before it reports success (``megatron_dist`` holds the format)."""
 
+import dataclasses
 import os
 import shutil
 from typing import Optional
@@ -15,6 +16,7 @@ from megatron_multilevel.checkpoints.full import prepare_output, save_full
 from megatron_multilevel.checkpoints.reshard import state_worker
 from megatron_multilevel.config import load_config
 from megatron_multilevel.config.parsing import read_json_object
+from megatron_multilevel.ode_operators import fold_branch_multiplier
 from megatron_multilevel.parallel.spawn import run_ranks
 
 
@@ -82,6 +84,19 @@ def from_megatron(src: str, out: str, *, config: Optional[str], fmt: str, overwr
     prepare_output(out, overwrite, src)
     source = load_source(src, model)
     save_full(out, source.tensors, source.model, source=source.description, fmt=fmt, tokenizer=source.tokenizer)
+    try:  # the consolidated checkpoint as a run loads it, against the model Megatron-Core loaded (its plain one)
+        written = load_source(out)
+        plain = dataclasses.replace(source.model, depth_mup_base_layers=None)
+        tokens = verify.fixed_tokens(source.model)
+        rows = [("torch_dist", "loaded by Megatron-Core (TP=1), against the consolidated checkpoint",
+                 verify.logits_full(fold_branch_multiplier(source.tensors, source.model), plain, tokens),
+                 verify.logits_full(written.tensors, written.model, tokens, step=written.step))]
+        if not verify.compare(rows):
+            raise VerificationError("verification failed: the consolidated checkpoint computes other logits than "
+                                    "the torch_dist checkpoint")
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     print(f"wrote {out}: {source.model.num_layers} layers, hidden {source.model.hidden_size}"
           + ("" if not source.moments else f" (its optimizer state, {', '.join(source.moments)}, is not kept in a "
              "consolidated checkpoint; init-run reads it from the torch_dist checkpoint itself)"))

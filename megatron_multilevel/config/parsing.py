@@ -177,3 +177,36 @@ def check_finite(data: dict) -> None:
     for name, value in flatten(data).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number, got {value}")
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Set ``dotted.key=value`` pairs in a JSON-like dict (values parsed as JSON when they are)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not of the form dotted.key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        parts = key.split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            nxt = node[_index(node, part, item)] if isinstance(node, list) else node.setdefault(part, {})
+            if not isinstance(nxt, (dict, list)):
+                raise ValueError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not an object")
+            node = nxt
+        last = parts[-1]
+        if isinstance(node, list):
+            node[_index(node, last, item)] = value
+        else:
+            node[last] = value
+    return data
+
+
+def _index(node: list, part: str, item: str) -> int:
+    """``part`` as an index into the list ``node``; ValueError naming the override where it is none."""
+    if not part.isdigit() or int(part) >= len(node):
+        raise ValueError(f"override {item!r}: {part!r} is not an index of a list of {len(node)} item(s); valid "
+                         f"indices are {list(range(len(node)))}")
+    return int(part)
