@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from distributed_helpers import run_ranks
-from megatron_multilevel.config import MUON_STATE_KEYS, load_config, muon_parameter, optimizer_state_keys
+from muon_helpers import KEYS, engine_states, inner_optimizer, whole_state
+from megatron_multilevel.config import load_config, muon_parameter, optimizer_state_keys
 
-KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 # a large eps: the first Adam steps must not amplify float noise in near-zero gradients
 MUON = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 1e-2, "momentum": 0.9, "eps": 1e-3, "weight_decay": 0.0,
                                    "torch_adam": True}}
@@ -191,41 +191,6 @@ def _train_step(engine, cfg, seed: int) -> float:
     return value.item() / dp
 
 
-def _state(engine, key):
-    """Full parameters (``key`` None) or optimizer state ``key`` by name, of the parameters that keep
-    it: at ZeRO 0 straight from torch's per-parameter state, at ZeRO 3 (and for Adam's moments at
-    ZeRO 1/2) through DeepSpeed's ``safe_get_full_optimizer_state``; Muon's momentum at ZeRO 1/2
-    through the project's reader (checked against ZeRO 0 by the caller)."""
-    import deepspeed
-    from deepspeed.utils import safe_get_full_optimizer_state
-
-    from megatron_multilevel.parallel.muon_state import read_momentum
-    from megatron_multilevel.parallel.zero import link_optimizer_state
-
-    opt = _inner(engine)
-    link_optimizer_state(engine.optimizer)  # ZeRO 1/2 link the first group's parameters only, lazily
-    out = {}
-    for name, p in engine.module.named_parameters():
-        if key is None:
-            if hasattr(p, "ds_id"):
-                with deepspeed.zero.GatheredParameters([p]):
-                    out[name] = p.data.float().clone()
-            else:
-                out[name] = p.data.float().clone()
-        elif (key in MUON_STATE_KEYS) == p.use_muon:
-            if not (hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")):
-                out[name] = opt.state[p][key].float().clone()
-            elif key == "momentum_buffer" and not hasattr(p, "ds_id"):
-                out[name] = read_momentum(engine.optimizer, p)
-            else:
-                out[name] = safe_get_full_optimizer_state(p, key).float().clone()
-    return out
-
-
-def _states(engine):
-    return {key: _state(engine, key) for key in (None, *KEYS)}
-
-
 def _muon_case(rank, world, stage):
     """Train the fine model a step, coalesce with Muon's state mapped, train the coarse model a step,
     de-coalesce and interpolate, train a step: the states around each transition, the losses, and
@@ -250,32 +215,32 @@ def _muon_case(rank, world, stage):
     fine = _engine(build_model(cfg), stage)
     tags = {name: p.use_muon for name, p in fine.module.named_parameters()}
     out = {"losses": [_train_step(fine, cfg, seed=1)], "tags": tags, "diffs": {}, "shared": _shared_matrices(fine)}
-    out["fine"] = _states(fine)
+    out["fine"] = engine_states(fine)
     staged, before = coarsen(fine.module, lm, fine_layout=layout, coarse_layout=layout, optimizer=fine.optimizer,
                              moments=KEYS, build_target=functools.partial(build_empty_model, lm.coarse, layout,
                                                                           _ds_config(stage, 1)))
     del fine
     coarse = _engine(staged.model, stage)
     load_moments(coarse, staged)
-    out["coalesced"] = _states(coarse)
+    out["coalesced"] = engine_states(coarse)
     for key in KEYS:  # the offline operators take whole state dicts: the others' state as zeros
-        want = coalesce(_whole(out["fine"], key), lm, degree=STATE_DEGREE[key])
+        want = coalesce(whole_state(out["fine"], key), lm, degree=STATE_DEGREE[key])
         out["diffs"][f"coalesce {key}"] = _max_diff(out["coalesced"][key], want)
     out["losses"].append(_train_step(coarse, lm.coarse, seed=2))
-    out["coarse"] = _states(coarse)
+    out["coarse"] = engine_states(coarse)
     staged = prolong(coarse.module, before, lm, ALPHA, coarse_layout=layout, fine_layout=layout,
                      optimizer=coarse.optimizer, moments=KEYS,
                      build_target=functools.partial(build_empty_model, cfg, layout, _ds_config(stage, 1)))
     del coarse
     fine = _engine(staged.model, stage)
     load_moments(fine, staged)
-    out["prolonged"] = _states(fine)
+    out["prolonged"] = engine_states(fine)
     for key in KEYS:
-        want = interpolate(_whole(out["fine"], key),
-                           decoalesce(_whole(out["coarse"], key), lm, degree=STATE_DEGREE[key]), ALPHA)
+        want = interpolate(whole_state(out["fine"], key),
+                           decoalesce(whole_state(out["coarse"], key), lm, degree=STATE_DEGREE[key]), ALPHA)
         out["diffs"][f"prolong {key}"] = _max_diff(out["prolonged"][key], want)
     out["losses"].append(_train_step(fine, cfg, seed=3))
-    out["steps"] = sorted({int(s["step"]) for s in _inner(fine).state.values() if "step" in s})
+    out["steps"] = sorted({int(s["step"]) for s in inner_optimizer(fine).state.values() if "step" in s})
     return out if rank == 0 else None
 
 
@@ -291,18 +256,6 @@ def _shared_matrices(engine) -> int:
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return len(set.intersection(*every)) if len(every) > 1 else 0
-
-
-def _whole(states: dict, key: str) -> dict:
-    """State ``key`` of every parameter (zeros for those that keep another)."""
-    return {name: states[key].get(name, torch.zeros_like(p)) for name, p in states[None].items()}
-
-
-def _inner(engine):
-    opt = engine.optimizer
-    while hasattr(opt, "optimizer"):
-        opt = opt.optimizer
-    return opt
 
 
 def _max_diff(got: dict, want: dict) -> float:
@@ -334,15 +287,15 @@ def _ode_case(rank, world, stage):
     set_seed(7)
     fine = _engine(build_model(cfg), stage)
     _train_step(fine, cfg, seed=1)
-    before = _states(fine)
+    before = engine_states(fine)
     staged, _ = restrict(fine.module, sel, fine_layout=layout, coarse_layout=layout, optimizer=fine.optimizer,
                          keys=KEYS, map_state=True,
                          build_target=functools.partial(build_empty_model, sel.coarse, layout, _ds_config(stage, 1)))
     del fine
     coarse = _engine(staged.model, stage)
     load_moments(coarse, staged)
-    after = _states(coarse)
-    diffs = {key: _max_diff(after[key], restrict_tensors(_whole(before, key), sel, degree=STATE_DEGREE[key]))
+    after = engine_states(coarse)
+    diffs = {key: _max_diff(after[key], restrict_tensors(whole_state(before, key), sel, degree=STATE_DEGREE[key]))
              for key in KEYS}
     # the residual branch's output matrix: its momentum halved (a gradient's units), not copied
     name = "decoder.layers.{}.self_attention.linear_proj.weight"
@@ -397,160 +350,3 @@ def test_muon_state_maps_exactly_at_every_zero_stage_on_two_ranks(tmp_path):
     assert results[1]["shared"] and results[2]["shared"]  # a matrix split between the partitions
     _check({0: results[0]}, None)
     _check({s: results[s] for s in (1, 2, 3)}, results[0])
-
-
-# ---- a real run: growth with the grown layers' state zeroed, the loss, resharding ----
-
-STEPS = 6
-MSG = {"enabled": True, "cycle": "grow", "num_levels": 2, "alpha": 1.0, "coalesce_width": False,
-       "coalesce_depth": True, "depth_pairing": "halves", "depth_scaling": "none", "growth_mask_steps": 2,
-       "optimizer_state": "map", "grown_moments": "zero",
-       "levels": [{"steps_after": STEPS, "lr_after": {"peak": 2e-3, "warmup_steps": 1}},
-                  {"steps_before": STEPS, "lr_before": {"peak": 2e-3, "warmup_steps": 1}}]}
-
-
-def _train_and_capture(rank, world, config: dict) -> list:
-    """Run the trainer; the full states just before and just after each transition."""
-    import torch._dynamo
-
-    from megatron_multilevel.training import trainer
-
-    torch._dynamo.config.disable = True
-    captured, transition = [], trainer.Trainer._transition
-
-    def steps(engine):
-        return sorted({int(s["step"]) for s in _inner(engine).state.values() if "step" in s})
-
-    def spy(self, phase, nxt, end_tag):
-        before, steps_before = _states(self.engine), steps(self.engine)
-        transition(self, phase, nxt, end_tag)
-        captured.append({"from": phase.level, "to": nxt.level, "before": before, "after": _states(self.engine),
-                         "steps": (steps_before, steps(self.engine))})
-
-    trainer.Trainer._transition = spy
-    try:
-        trainer.Trainer(load_config(config)).run()
-    finally:
-        trainer.Trainer._transition = transition
-    return captured
-
-
-@pytest.fixture(scope="module")
-def muon_run(corpus, tmp_path_factory):
-    """MSG-style depth growth (2 -> 4 layers, the copies masked in, ``grown_moments: "zero"``) trained
-    with Muon in one process, every checkpoint kept."""
-    from launch_helpers import KEEP_ALL, run_config
-
-    tmp = tmp_path_factory.mktemp("muon")
-    optimizer = {"type": "Muon", "params": {"lr": 2e-3, "muon_lr": 0.02, "momentum": 0.9, "weight_decay": 0.01}}
-    # no clipping: at ZeRO 1-3 DeepSpeed would clip Muon's update (refused), and this run is resharded there
-    path = run_config(tmp, corpus, "run", optimizer=optimizer, multilevel=MSG, gradient_clipping=0.0,
-                      training={**KEEP_ALL, "log_interval": 1, "eval_interval": 100})
-    config = json.loads(path.read_text())
-    captured = run_ranks(_train_and_capture, 1, tmp / "ranks", config)[0]
-    return {"dir": tmp / "run", "captured": captured, "config": load_config(config), "tmp": tmp}
-
-
-def test_growth_maps_the_kept_layers_state_and_zeroes_the_grown_layers(muon_run):
-    """The 4-layer model's state after growth, written out: every layer of a depth pair starts from
-    the small model's layer, the first keeps its state (the operators' de-coalescing), the second
-    (the layer growth adds) starts from zero momentum and zero moments; the embeddings' and output
-    layer's Adam moments are carried as they are, and so is the step count."""
-    from megatron_multilevel.config import STATE_DEGREE
-    from megatron_multilevel.level_maps import run_level_maps
-    from megatron_multilevel.operators import decoalesce, group_member
-
-    (grow,) = muon_run["captured"]
-    assert (grow["from"], grow["to"]) == (1, 0)
-    lm = run_level_maps(muon_run["config"])[0]
-    grown = [j for j in range(lm.fine.num_layers) if group_member(lm, j)]
-    # the step count: the auxiliary Adam's (DeepSpeed's FusedAdam counts on a group's last parameter)
-    assert grown == [2, 3] and [max(s) for s in grow["steps"]] == [STEPS, STEPS]
-    for key in KEYS:
-        mapped = decoalesce(_whole(grow["before"], key), lm, degree=STATE_DEGREE[key])
-        after = grow["after"][key]
-        assert after and set(after) <= set(mapped), key
-        for name, t in after.items():
-            fresh = any(name.startswith(f"decoder.layers.{j}.") for j in grown)
-            want = torch.zeros_like(t) if fresh else mapped[name]
-            assert torch.equal(t, want), (key, name)
-            assert fresh or t.abs().max() > 0, (key, name)
-
-
-def test_a_muon_run_trains(muon_run):
-    """The loss goes down over the small model's steps and again over the grown model's."""
-    from launch_helpers import records
-
-    train = records(muon_run["dir"], "train")
-    assert len(train) == 2 * STEPS
-    small, grown = [r["loss"] for r in train[:STEPS]], [r["loss"] for r in train[STEPS:]]
-    assert small[-1] < small[0] - 0.3 and grown[-1] < grown[0], (small, grown)
-
-
-def _optimizer_file_state(run_dir, tag: str) -> dict:
-    """The optimizer state of a one-process ZeRO-0 checkpoint, read straight from DeepSpeed's file."""
-    (path,) = (run_dir / "checkpoints" / tag).glob("mp_rank_00_model_states.pt")
-    return torch.load(path, map_location="cpu", weights_only=False)["optimizer"]["state"]
-
-
-def test_resharding_through_zero2_on_two_ranks_keeps_muons_state_exactly(muon_run, monkeypatch):
-    """The run resharded to two ranks at ZeRO 2 (Muon's momentum as whole matrices per rank, a matrix
-    split between the partitions held by both), then back to one process at ZeRO 0: each reshard
-    checks its own checkpoints against the source's state, and the round trip's file holds the
-    source's momentum, moments and step counts, tensor by tensor."""
-    from launch_helpers import convert, ok
-
-    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
-    src, tmp = muon_run["dir"], muon_run["tmp"]
-    there = ok(convert("reshard", src, tmp / "zero2", "--num-gpus", 2, "--zero-stage", 2))
-    said = "phase01-step0000006: optimizer state momentum_buffer, exp_avg, exp_avg_sq at step 12: the source's, exactly"
-    assert said in there.stdout
-    ok(convert("reshard", tmp / "zero2", tmp / "back", "--num-gpus", 1, "--zero-stage", 0))
-    tag = (src / "checkpoints" / "latest").read_text().strip()
-    source, back = _optimizer_file_state(src, tag), _optimizer_file_state(tmp / "back", tag)
-    assert source.keys() == back.keys()
-    kinds = set()
-    for index, state in source.items():
-        assert state.keys() == back[index].keys(), index
-        kinds.add(tuple(sorted(state)))
-        for key in set(state) - {"step"}:
-            assert torch.equal(state[key], back[index][key]), (index, key)
-    assert kinds == {("momentum_buffer",), ("exp_avg", "exp_avg_sq", "step")}
-    # DeepSpeed's FusedAdam counts on each group's last parameter; a written state holds the count on all
-    steps = [max(int(state["step"]) for state in file.values() if "step" in state) for file in (source, back)]
-    assert steps == [2 * STEPS, 2 * STEPS]
-
-
-def test_to_megatron_writes_the_model_and_refuses_muons_state_in_one_line(muon_run, monkeypatch):
-    """Megatron-Core keeps its Muon as a chained optimizer of its own split: the model is written (and
-    verified by its logits), Muon's state is not, and one line says so."""
-    from launch_helpers import convert, ok
-
-    from megatron_multilevel.checkpoints.megatron_dist import MUON_NOT_WRITTEN, read
-
-    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
-    out = muon_run["tmp"] / "megatron"
-    result = ok(convert("to-megatron", muon_run["dir"], out))
-    assert result.stdout.count(MUON_NOT_WRITTEN) == 1
-    assert json.loads((out / "megatron_multilevel.json").read_text())["optimizer"] == []
-    assert read(str(out)).moments == {}
-
-
-@pytest.mark.slow
-def test_two_pipeline_stages_train_the_one_process_muon_v_cycle(corpus, tmp_path):
-    """A V-cycle with Muon's state mapped, over two pipeline stages (each stage's matrices whole):
-    the one-process run's losses, record by record."""
-    from launch_helpers import SAME_RUN, launch, losses, ok, run_config
-
-    multilevel = {"enabled": True, "num_levels": 2, "alpha": 0.5, "width_pairing": "adjacent", "optimizer_state": "map",
-                  "levels": [{"steps_before": 3, "lr_before": {"peak": 2e-3, "warmup_steps": 1}, "steps_after": 3},
-                             {"steps_before": 3, "lr_before": {"peak": 2e-3}}]}
-    optimizer = {"type": "Muon", "params": {"lr": 2e-3, "muon_lr": 0.02, "torch_adam": True}}
-    runs = {}
-    for name, parallel, procs in (("one", {}, 1), ("pp2", {"pipeline_model_parallel_size": 2}, 2)):
-        config = run_config(tmp_path, corpus, name, optimizer=optimizer, gradient_clipping=0.0, parallel=parallel,
-                            multilevel=multilevel)
-        ok(launch(config, "--num_procs", procs, env={"TORCH_COMPILE_DISABLE": "1"}))
-        runs[name] = losses(tmp_path / name)
-    assert [r[:2] for r in runs["pp2"]] == [r[:2] for r in runs["one"]] and len(runs["one"]) > 6
-    assert [r[2] for r in runs["pp2"]] == pytest.approx([r[2] for r in runs["one"]], **SAME_RUN)
