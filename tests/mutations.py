@@ -30,6 +30,8 @@ COALESCE = "megatron_multilevel/training/coalesce_cycle.py"
 FLOPS = "megatron_multilevel/flops.py"
 READER = "megatron_multilevel/checkpoints/deepspeed_reader.py"
 CHECKPOINT = "megatron_multilevel/training/checkpoint.py"
+LOCAL_WRITES = "megatron_multilevel/training/local_writes.py"
+ONE_RANK_FAILS = "tests/test_checkpoint_one_rank_fails.py::"
 OPERATORS = "megatron_multilevel/operators.py"
 TRANSITION = "megatron_multilevel/parallel/transition.py"
 TRANSITIONS = ["tests/test_trainer_transitions.py"]
@@ -88,9 +90,9 @@ MUTATIONS = [
                "                    p.data.add_(1e-7)\n"),),
              ("tests/test_transitions.py::test_two_ranks",)),
     Mutation("save-marks-early", "a checkpoint is named the latest before all its files are written",
-             ((CHECKPOINT, '        crash_point(f"save:{tag}")',
-               '        if rank == 0:\n            _atomic_write(os.path.join(ckpt, POINTER), tag)\n'
-               '        crash_point(f"save:{tag}")'),),
+             ((CHECKPOINT, '    crash_point(f"save:{tag}")',
+               '    if rank == 0:\n        _atomic_write(os.path.join(ckpt, POINTER), tag)\n'
+               '    crash_point(f"save:{tag}")'),),
              ("tests/test_pretrain.py::test_resume_after_kill_follows_the_same_trajectory[mid-save]",)),
     Mutation("resume-reruns-finished-phase", "a run resumed at the end of a phase evaluates and saves it again",
              ((TRAINER, 'if row["valid_loss"] is None:  # not finished', 'if True:  # not finished'),),
@@ -300,7 +302,8 @@ MUTATIONS = [
     Mutation("stop-no-agreement", "each rank stops on its own signal only: the ranks do not agree on the step",
              (("megatron_multilevel/training/stop.py", "        dist.all_reduce(received, op=dist.ReduceOp.MAX)\n",
                ""),),
-             ("tests/test_stop.py::test_sigterm_to_one_rank_stops_both_at_the_same_step",)),
+             ("tests/test_stop_one_rank.py::test_sigterm_to_rank_1_alone_stops_both_ranks_at_its_step",
+              "tests/test_stop.py::test_sigterm_to_one_rank_stops_both_at_the_same_step")),
     Mutation("stop-one-request-twice", "a signal delivered twice (group and launcher) counts as a second request",
              (("megatron_multilevel/training/stop.py", "if now - self.received_at < SAME_REQUEST_SECONDS:",
                "if False:"),),
@@ -314,11 +317,30 @@ MUTATIONS = [
              (("megatron_multilevel/training/run_lock.py",
                "            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)\n",
                "            pass\n"),),
-             ("tests/test_run_lock.py",)),
+             ("tests/test_run_lock.py", "tests/test_run_lock_race.py")),
     Mutation("save-runtime-error-escapes", "a write failing inside torch's writer escapes the save's handling",
-             ((CHECKPOINT, "    except RuntimeError as e:\n        said =", "    except ZeroDivisionError as e:\n        said ="),),
+             ((LOCAL_WRITES, "    except RuntimeError as e:\n        said =", "    except ZeroDivisionError as e:\n        said ="),),
              ("tests/test_checkpoint_integrity.py::test_a_file_size_limit_reached_mid_save_removes_the_partial_"
               "checkpoint",)),
+    Mutation("save-leaves-deepspeed-early", "a write failing in DeepSpeed's save on one rank skips its remaining "
+             "collectives (the ranks out of step)",
+             ((CHECKPOINT, "    save_deepspeed_checkpoint(engine, ckpt, tag, writes)",
+               "    writes.run(lambda: engine.save_checkpoint(ckpt, tag=tag, save_latest=False))"),),
+             (ONE_RANK_FAILS + "test_a_write_failing_in_deepspeed_on_one_rank_raises_the_same_line_on_every_rank",
+              ONE_RANK_FAILS + "test_a_save_failing_on_rank_1_in_deepspeed_ends_both_ranks_in_one_line_and_resumes")),
+    Mutation("save-writes-uncontained", "DeepSpeed's checkpoint engine writes without containing a failure",
+             ((LOCAL_WRITES, "    engine.checkpoint_engine = _ContainedEngine(inner, writes)\n", ""),),
+             (ONE_RANK_FAILS + "test_a_write_failing_in_deepspeed_on_one_rank_raises_the_same_line_on_every_rank",)),
+    Mutation("save-recovery-script-uncontained", "DeepSpeed's copy of its recovery scripts raises on the copying rank",
+             ((LOCAL_WRITES, "lambda path: writes.run(lambda: copy_scripts(path))", "copy_scripts"),),
+             (ONE_RANK_FAILS + "test_a_write_failing_in_deepspeed_on_one_rank_raises_the_same_line_on_every_rank",)),
+    Mutation("lock-waits", "a run waits for the lock of a directory another run holds, then takes it",
+             (("megatron_multilevel/training/run_lock.py", "fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)",
+               "fcntl.flock(self.file, fcntl.LOCK_EX)"),),
+             ("tests/test_run_lock_race.py",)),
+    Mutation("drift-ignores-data", "a resume takes another data block (corpus, sequence length) as a neutral change",
+             (("megatron_multilevel/training/config_drift.py", '"data.cache_dir",\n', '"data.",\n'),),
+             ("tests/test_config_drift_data.py",)),
     Mutation("resume-ignores-config", "a resume takes any config the checkpoint was not written by",
              (("megatron_multilevel/training/trainer.py", "        if changes and not self.allow_config_change:",
                "        if False:"),),
@@ -352,6 +374,26 @@ MUTATIONS = [
              (("megatron_multilevel/growth/mask.py", "self.value = min(1.0, step / self.steps)",
                "self.value = min(1.0, (step + 1) / self.steps)"),),
              ("tests/test_depth_mup.py::test_msg_under_depth_mup_keeps_the_small_models_loss_and_ramps_its_mask",)),
+    Mutation("muon-momentum-dropped", "the transitions carry Muon's auxiliary Adam moments and not its momentum",
+             (("megatron_multilevel/config/deepspeed.py",
+               '"muon": ("momentum_buffer", "exp_avg", "exp_avg_sq")', '"muon": ("exp_avg", "exp_avg_sq")'),),
+             ("tests/test_muon_run.py::test_growth_maps_the_kept_layers_state_and_zeroes_the_grown_layers",
+              "tests/test_muon_run.py::test_resharding_through_zero2_on_two_ranks_keeps_muons_state_exactly")),
+    Mutation("muon-zero12-momentum-unwritten", "ZeRO 1/2's whole-matrix Muon momentum is never written",
+             (("megatron_multilevel/parallel/muon_state.py", "        mine.copy_(value.reshape(p.shape))",
+               "        pass"),),
+             ("tests/test_muon.py::test_muon_state_maps_exactly_at_every_zero_stage_on_two_ranks",)),
+    Mutation("muon-deepspeeds-tags", "DeepSpeed's own use_muon tags are kept (Megatron's output layer to Muon)",
+             (("megatron_multilevel/training/engines.py", "    deepspeed.set_optimizer_flags = tag\n",
+               "    deepspeed.set_optimizer_flags = own\n"),),
+             ("tests/test_muon.py::test_muon_state_maps_exactly_through_a_v_cycle_in_one_process",)),
+    Mutation("megatron-mup-not-unfolded", "from-megatron under a depth-muP config keeps the folded weights",
+             (("megatron_multilevel/checkpoints/megatron_dist.py", "    tensors = unfold_branch_multiplier(weights, cfg)\n",
+               "    tensors = dict(weights)\n"),),
+             ("tests/test_depth_mup.py::test_a_megatron_export_of_a_depth_mup_run_reads_back_under_its_own_config",)),
+    Mutation("fresh-intermediate-depth", "a growth through levels that train no step initialises fresh layers for "
+             "each intermediate depth", ((COALESCE, "fresh_depth=self._trained_depth(nxt),", "fresh_depth=None,"),),
+             ("tests/test_late.py::test_fresh_layers_are_initialised_for_the_model_the_growth_ends_in",)),
 ]
 
 def copy_repository(into: Path) -> Path:

@@ -10,6 +10,14 @@ checkpoint with its size and CRC-32 (``manifest.py``): a resume checks them firs
 to the previous complete checkpoint when a file is missing, truncated or altered. A save that
 fails (a full disk, a permission) removes what it wrote, leaves ``latest`` and the previous
 checkpoints as they were and ends the run with one line (``CheckpointError``).
+
+A save's write can fail on one rank only (its disk, its quota, its file-size limit). No rank raises
+in the middle of a save, whose steps are collective (DeepSpeed's own barriers and all-reduces among
+them): each rank runs the whole save, every write of it (DeepSpeed's included: ``local_writes.py``
+says how) through ``local_writes.LocalWrites``, which records a failed write instead of raising and
+skips the rank's later writes but for those holding collectives. The ranks exchange what failed at
+two points only, once the files are written and once the checkpoint is marked complete
+(``_settle``): every rank then raises the same ``CheckpointError``, naming the first failure.
 """
 
 import errno
@@ -27,6 +35,7 @@ import torch.distributed as dist
 
 from megatron_multilevel.config.parsing import read_json_object
 from megatron_multilevel.training import manifest
+from megatron_multilevel.training.local_writes import LocalWrites, failure_of, save_deepspeed_checkpoint
 from megatron_multilevel.training.safe_load import load_checkpoint_file
 
 SIDECAR = "multilevel.json"
@@ -101,11 +110,16 @@ def checkpoint_dir(run_dir: str) -> str:
 
 def _atomic_write(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):  # a write that failed leaves nothing behind
+            os.remove(tmp)
+        raise
 
 
 def _rng_state() -> dict:
@@ -134,19 +148,21 @@ def save(engine, run_dir: str, state: RunState, *, meta: dict,
     tag = tag_of(state.phase, state.step)
     directory = os.path.join(ckpt, tag)
     rank = dist.get_rank()
+    writes = LocalWrites()
     if rank == 0 and os.path.isdir(directory):
-        shutil.rmtree(directory)  # leftovers of a save that was killed
+        writes.run(lambda: shutil.rmtree(directory))  # leftovers of a save that was killed
     dist.barrier()
+    save_deepspeed_checkpoint(engine, ckpt, tag, writes)  # returns on every rank, whatever failed on this one
+    crash_point(f"save:{tag}")  # DeepSpeed's files written, ours not yet, the checkpoint not marked complete
 
-    def write_files():
-        engine.save_checkpoint(ckpt, tag=tag, save_latest=False)
-        crash_point(f"save:{tag}")  # DeepSpeed's files written, ours not yet, the checkpoint not marked complete
+    def rng_file():
         fault_point(f"save:{tag}")
         torch.save(_rng_state(), os.path.join(directory, f"rng_rank{rank}.pt"))
-        if extra is not None:
-            extra(directory)
 
-    _settle(_attempt(write_files), directory, run_dir)
+    writes.run(rng_file)
+    if extra is not None:  # on every rank, whatever failed before: it may hold collectives
+        writes.run_collective(lambda: extra(directory))
+    _settle(writes.failure, directory, run_dir)
     files = _manifest(directory)
 
     def mark_complete():
@@ -156,25 +172,8 @@ def save(engine, run_dir: str, state: RunState, *, meta: dict,
         _atomic_write(os.path.join(directory, SIDECAR), json.dumps(sidecar, indent=1))
         _atomic_write(os.path.join(ckpt, POINTER), tag)
 
-    _settle(_attempt(mark_complete) if rank == 0 else None, directory, run_dir)
+    _settle(failure_of(mark_complete) if rank == 0 else None, directory, run_dir)
     return tag
-
-
-def _attempt(write: Callable[[], None]) -> Optional[str]:
-    """Run ``write``; what made it fail, if the file system did. torch's writer (and DeepSpeed's,
-    which uses it) reports a failed write as a ``RuntimeError`` (a full disk, a quota or a file-size
-    limit mid-file: "file write failed", "unexpected pos"; a directory it could not create: "Parent
-    directory ... does not exist"): those count as the file system's too."""
-    try:
-        write()
-    except OSError as e:
-        return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
-    except RuntimeError as e:
-        said = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", (str(e).strip() or type(e).__name__).splitlines()[0])
-        if "unexpected pos" in said or "file write failed" in said:
-            return f"a write stopped part way: a full disk, a quota or a file-size limit; torch: {said}"
-        return said
-    return None
 
 
 def _settle(failure: Optional[str], directory: str, run_dir: str) -> None:
