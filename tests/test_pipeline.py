@@ -111,6 +111,8 @@ def test_layouts_a_pipeline_cannot_run_are_refused_in_one_line(corpus, tmp_path,
     config.setdefault("parallel", {"pipeline_model_parallel_size": 2})
     for key, value in change.items():
         config[key] = value
+    if config["multilevel"].get("enabled"):  # the multilevel schedule's steps, not training.train_steps
+        config["training"].pop("train_steps", None)
     (tmp_path / "bad.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         LevelEngines(load_config(str(tmp_path / "bad.json")), 2)

@@ -190,7 +190,8 @@ def _build_split(cfg: RunConfig, sources: DataSources, tokenizer, *, seed: int, 
             masking_use_geometric_distribution=False,
             classification_head=cfg.model.add_binary_head,
         )
-    check_index_cache(config.path_to_cache)
+    if dist.get_rank() == 0:  # Megatron builds the cache on rank 0; the others read it after its barrier
+        check_index_cache(config.path_to_cache)
     return BlendedMegatronDatasetBuilder(dataset_cls, sizes, lambda: True, config).build()
 
 

@@ -31,7 +31,11 @@ class RunDirectoryLock:
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = self._holder()
+            # the holder writes its name just after it takes the lock: give it a moment to appear
+            deadline = time.monotonic() + 2.0
+            while (holder := self._holder(missing=None)) is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            holder = holder or "holder unknown"
             self.file.close()
             raise ValueError(f"{output_dir} is in use by another run ({holder}): one run per directory; wait "
                              f"for it to end, stop it, or give this run another training.output_dir") from None
