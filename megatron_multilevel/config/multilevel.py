@@ -298,8 +298,7 @@ class MultilevelConfig:
         if not trained or trained[0].lr.decay_fraction >= 1.0 or trained[0].lr.decay == "constant":
             return
         lr, total = trained[0].lr, sum(spec.steps for spec in specs)
-        span = max(1, total - lr.warmup_steps)
-        decay_start = lr.warmup_steps + span - max(1, round(lr.decay_fraction * span))  # as schedule.lr_factor
+        decay_start = lr.decay_start(total)
         for spec, how in zip(specs, arrivals(self.walk())):
             if how == "grow" and start > decay_start:
                 raise ValueError(

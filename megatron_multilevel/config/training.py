@@ -37,6 +37,15 @@ class LRConfig:
         if isinstance(self.decay_fraction, bool) or not 0.0 < self.decay_fraction <= 1.0:
             raise ValueError(f"lr.decay_fraction must be in (0, 1], got {self.decay_fraction!r}")
 
+    def decay_steps(self, total: int) -> int:
+        """How many steps of a schedule of ``total`` steps the decay takes: the last
+        ``decay_fraction`` of those after warm-up (at least one)."""
+        return max(1, round(self.decay_fraction * max(1, total - self.warmup_steps)))
+
+    def decay_start(self, total: int) -> int:
+        """The step (0-based) of a schedule of ``total`` steps after which the rate decays; before
+        it, after warm-up, the rate is the peak."""
+        return self.warmup_steps + max(1, total - self.warmup_steps) - self.decay_steps(total)
 
 
 class PhaseSpec(NamedTuple):

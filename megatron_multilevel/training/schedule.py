@@ -104,9 +104,7 @@ def lr_factor(step: int, total: int, lr: LRConfig) -> float:
         return (step + 1) / lr.warmup_steps
     if lr.decay == "constant":
         return 1.0
-    span = max(1, total - lr.warmup_steps)
-    decay = max(1, round(lr.decay_fraction * span))  # the last steps of the span; before them: the peak
-    progress = min(1.0, max(0, step - lr.warmup_steps - (span - decay)) / decay)
+    progress = min(1.0, max(0, step - lr.decay_start(total)) / lr.decay_steps(total))  # before it: the peak
     if lr.decay == "linear":
         shape = 1.0 - progress
     elif lr.decay == "1-sqrt":
