@@ -9,6 +9,7 @@ arguments; ``tests/test_first_hour.py`` keeps them equal to the installed DeepSp
 """
 
 from megatron_multilevel.config.deepspeed import deep_merge
+from megatron_multilevel.config.parsing import warn_one_line
 from megatron_multilevel.config.muon import check_muon, check_muon_params, is_muon
 
 # The classes DeepSpeed may build, and the keyword arguments ``optimizer.params`` may pass to each
@@ -190,10 +191,6 @@ def warn_fresh_moments(cfg) -> None:
     correct their bias: after ``k`` steps their update is ``(1 - b1^k) / sqrt(1 - b2^k)`` times a
     fresh Adam's, 0.45 to 1.1 with betas (0.9, 0.95) (a short warm-up of their own), but 3 to 6.5
     with (0.9, 0.999) over their first hundred steps."""
-    import warnings
-
-    from megatron_multilevel.config.parsing import one_line_warning
-
     ml = cfg.multilevel
     if ml.strategy != "coalesce" or ml.optimizer_state != "map" or ml.grown_moments != "zero":
         return
@@ -203,13 +200,8 @@ def warn_fresh_moments(cfg) -> None:
             continue
         beta2 = optimizer.get("params", {}).get("betas", (0.9, 0.999))[1]
         if beta2 > FRESH_MOMENTS_BETA2:
-            shown_as = warnings.formatwarning
-            warnings.formatwarning = one_line_warning
-            try:
-                warnings.warn(f"multilevel.grown_moments 'zero' starts the new layers' Adam moments at zero under the "
-                              f"run's step count (no bias correction of their own): with optimizer.params.betas[1] = "
-                              f"{beta2} their first updates are 3 to 6.5 times a fresh Adam's; betas [0.9, 0.95] keep "
-                              f"them within 0.45 to 1.1 (docs/growth.md)", stacklevel=2)
-            finally:
-                warnings.formatwarning = shown_as
+            warn_one_line(f"multilevel.grown_moments 'zero' starts the new layers' Adam moments at zero under the "
+                          f"run's step count (no bias correction of their own): with optimizer.params.betas[1] = "
+                          f"{beta2} their first updates are 3 to 6.5 times a fresh Adam's; betas [0.9, 0.95] keep "
+                          f"them within 0.45 to 1.1 (docs/growth.md)")
             return

@@ -49,6 +49,18 @@ def one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
 
 
+def warn_one_line(message: str) -> None:
+    """``warnings.warn(message)`` shown as :func:`one_line_warning` (the caller's caller named)."""
+    import warnings
+
+    shown_as = warnings.formatwarning
+    warnings.formatwarning = one_line_warning
+    try:
+        warnings.warn(message, stacklevel=3)
+    finally:
+        warnings.formatwarning = shown_as
+
+
 def parse_dataclass(cls: type, data: Any, path: str) -> Any:
     """Build ``cls`` from ``data``; every key of ``data`` must be a field of ``cls``."""
     if isinstance(data, cls):

@@ -44,7 +44,7 @@ from megatron_multilevel.config.parallel import (
     check_sequence_parallel_supported,
     resolve_sequence_parallel,
 )
-from megatron_multilevel.config.parsing import check_finite, one_line_warning, parse_dataclass, read_json, to_dict
+from megatron_multilevel.config.parsing import check_finite, parse_dataclass, read_json, to_dict, warn_one_line
 from megatron_multilevel.config.scale import apply_steps_scale
 from megatron_multilevel.config.training import TrainingConfig
 from megatron_multilevel.config.unread import check_unread_keys
@@ -112,14 +112,8 @@ class RunConfig:
             return
         fine = [spec for spec in self.multilevel.phase_specs() if spec.level == 0 and spec.steps]
         if fine and fine[0].lr.peak != rate:
-            shown_as = warnings.formatwarning  # shown as one line, without the file and source line of the call
-            warnings.formatwarning = one_line_warning
-            try:
-                warnings.warn(
-                    f"optimizer.params.lr = {rate!r} is not used by a multilevel run: the full model's first phase "
-                    f"trains at {fine[0].lr.peak!r} (its level's schedule; each level has its own)", stacklevel=2)
-            finally:
-                warnings.formatwarning = shown_as
+            warn_one_line(f"optimizer.params.lr = {rate!r} is not used by a multilevel run: the full model's first "
+                          f"phase trains at {fine[0].lr.peak!r} (its level's schedule; each level has its own)")
 
     def _check_continued_schedule(self) -> None:
         """``lr_schedule = "continue"`` runs one schedule over the whole run: every phase that trains
