@@ -137,7 +137,7 @@ def main(argv=None) -> int:
         lock = hold_run_directory(cfg.training.output_dir, print)
         if torch.distributed.get_rank() == 0 and runs_line(cfg, baseline, control):
             print(runs_line(cfg, baseline, control), flush=True)
-        for run in (cfg, baseline, control):  # data.order_samples of every run, before any trains
+        for run in (baseline, control):  # their data.order_samples before the run trains (its own: Trainer's)
             if run is not None:
                 ordered_samples(run, run_samples(run, torch.distributed.get_world_size()))
         Trainer(cfg, stop, allow_config_change=args.allow_config_change).run()
