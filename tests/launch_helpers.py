@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -215,8 +216,25 @@ class PausedRun:
         stdout, stderr = self.process.communicate(timeout=timeout)
         return subprocess.CompletedProcess(self.process.args, self.process.returncode, stdout, stderr)
 
+    def finish_or_fail(self, timeout: float, what: str) -> subprocess.CompletedProcess:
+        """``finish``; where the ranks are still running after ``timeout`` s (out of step), every
+        process of the run killed and the test failed, saying ``what`` happened to them."""
+        import pytest
+
+        try:
+            return self.finish(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.communicate()
+            pytest.fail(f"the ranks were still running {timeout} s after {what}: out of step")
+
     def ranks(self) -> list:
         return [p for p in self.tree if "--local_rank" in " ".join(p.cmdline())]
+
+    def rank(self, local_rank: int):
+        """The process of rank ``local_rank``."""
+        (process,) = [p for p in self.ranks() if f"--local_rank={local_rank}" in p.cmdline()]
+        return process
 
     def survivors(self) -> list:
         """The launcher's processes (DeepSpeed's launch, the ranks) still alive after it ended."""

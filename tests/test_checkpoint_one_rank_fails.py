@@ -5,8 +5,6 @@ same command resumes there to the uninterrupted run's losses. The faults are rea
 file-size limit set on that one rank's process, a path only rank 0 writes blocked by a directory."""
 
 import os
-import signal
-import subprocess
 
 import pytest
 
@@ -27,15 +25,9 @@ def fail_one_rank_mid_save(reference, corpus, tmp_path, *, procs: int, failing: 
     config = run_config(tmp_path, corpus, "run", training=KEEP_ALL, zero_optimization={"stage": zero})
     run = PausedRun(config, tmp_path, "step7", procs=procs)
     run.wait_paused()
-    (rank,) = [p for p in run.ranks() if f"--local_rank={failing}" in p.cmdline()]
-    rank.rlimit(psutil.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+    run.rank(failing).rlimit(psutil.RLIMIT_FSIZE, (64 << 10, 64 << 10))
     run.release()
-    try:
-        failed = run.finish(timeout=HANG)
-    except subprocess.TimeoutExpired:
-        os.killpg(run.process.pid, signal.SIGKILL)
-        run.process.communicate()
-        pytest.fail(f"the ranks were still running {HANG} s after rank {failing}'s save failed: out of step")
+    failed = run.finish_or_fail(HANG, f"rank {failing}'s save failed")
     said = failed.stdout[-3000:] + failed.stderr[-5000:]
     assert failed.returncode == 1, said
     assert run.survivors() == []

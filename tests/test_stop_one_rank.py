@@ -2,12 +2,8 @@
 would forward it to every rank): every rank stops at the same step, the step the signal reached."""
 
 import json
-import os
 import signal
-import subprocess
 import time
-
-import pytest
 
 from launch_helpers import PausedRun, run_config
 
@@ -26,16 +22,10 @@ def test_sigterm_to_rank_1_alone_stops_both_ranks_at_its_step(corpus, tmp_path):
     config = run_config(tmp_path, corpus, "run")
     run = PausedRun(config, tmp_path, "step2")
     run.wait_paused()
-    (rank1,) = [p for p in run.ranks() if "--local_rank=1" in p.cmdline()]
-    rank1.send_signal(signal.SIGTERM)
+    run.rank(1).send_signal(signal.SIGTERM)
     time.sleep(0.5)
     run.release()
-    try:
-        result = run.finish(timeout=HANG)
-    except subprocess.TimeoutExpired:
-        os.killpg(run.process.pid, signal.SIGKILL)
-        run.process.communicate()
-        pytest.fail(f"the ranks were still running {HANG} s after rank 1 alone was signalled: out of step")
+    result = run.finish_or_fail(HANG, "rank 1 alone was signalled")
     said = result.stdout[-3000:] + result.stderr[-3000:]
     assert result.returncode == STOPPED_STATUS, said
     ckpt = tmp_path / "run" / "checkpoints"
